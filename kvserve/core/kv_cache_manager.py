@@ -1,0 +1,128 @@
+"""Per-request block tables on top of the block pool: prefix-cache lookup, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvserve.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are already published in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chained hashes over any newly full blocks of its tokens."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute for logits."""
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Blocks for `num_new_tokens` more tokens; returns the newly added block ids, or None if full.
+
+        `new_computed_blocks` are prefix-cache hits found for a request being admitted; they are
+        only taken (ref count +1) if the whole allocation succeeds.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Hits that sit in the free queue stop being allocatable once we take them.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        # Published now, computed by the end of this step: any reader is in a later step, or in this
+        # step's batch where all K/V writes of a layer precede its attention.
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens_after_step // self.block_size
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        # Tail first, so a shared prefix is the last to be evicted.
+        self.pool.free(blocks[::-1])
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Every block's ref count equals the number of request tables that hold it."""
+        self.pool.check_invariants()
+        holders = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            assert len({b.block_id for b in blocks}) == len(blocks), "block twice in one table"
+            for b in blocks:
+                holders[b.block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])

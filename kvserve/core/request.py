@@ -1,0 +1,115 @@
+"""A request's scheduling state: its tokens, how many have K/V computed, and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)  # identity equality: requests are looked up in queues
+class Request:
+    """One sequence as the scheduler sees it.
+
+    `sampling_params` is opaque to the core except for the few fields read by `check_stop`
+    (max_tokens, min_tokens, ignore_eos, stop_token_ids), so the core stays free of torch.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_model_len: int | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose K/V are in the cache (prefix hits count as computed).
+    num_computed_tokens: int = 0
+    # Chained hashes of this request's full blocks, extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit length at first admission
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) across prompt and output without building the full list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Sets a finished status when the newest token ends the request; returns whether it did."""
+        params = self.sampling_params
+        n_out = len(self.output_token_ids)
+        if n_out == 0:
+            return False
+        last = self.output_token_ids[-1]
+        min_tokens = getattr(params, "min_tokens", 0) or 0
+        if n_out >= min_tokens:
+            if (not getattr(params, "ignore_eos", False)) and last == self.eos_token_id:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            stop_ids = getattr(params, "stop_token_ids", None) or ()
+            if last in stop_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        max_tokens = getattr(params, "max_tokens", None)
+        if max_tokens is not None and n_out >= max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,215 @@
+"""Continuous batching: each step fills a token budget with running requests, then waiting ones.
+
+There is no separate prefill phase: a request has `num_tokens` known tokens and
+`num_computed_tokens` with K/V in the cache, and each step schedules some of the difference
+(a prefill chunk, a whole prompt, or the one newest token of a decode).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledRequest:
+    """What the model runner needs for one request in one step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    new_block_ids: list[int]  # appended to the request's block table
+    is_new: bool  # first step since admission/resumption: the runner starts a fresh block table
+    needs_sample: bool  # this step reaches the end of the known tokens
+    sampling_params: object
+    output_len: int  # output tokens so far (seeded sampling, min_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Finished since the last step, so the runner can drop per-request state.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Reject prompts that could never run instead of letting them wait forever."""
+        cfg = self.config
+        if num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"The prompt (length {num_prompt_tokens}) is longer than the maximum model length "
+                f"of {cfg.max_model_len} (max_model_len). Shorten the prompt or raise --max-model-len."
+            )
+        if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"The prompt (length {num_prompt_tokens}) exceeds max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) and chunked prefill is off. Enable chunked prefill or "
+                f"raise --max-num-batched-tokens."
+            )
+        total_tokens = self.kv.num_blocks * self.kv.block_size
+        if num_prompt_tokens > total_tokens:
+            raise ValueError(
+                f"The prompt (length {num_prompt_tokens}) can never fit in the KV cache "
+                f"({total_tokens} tokens in all). Give the KV cache more memory or shorten the prompt."
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens)
+        request.max_model_len = self.config.max_model_len
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.config.max_num_batched_tokens
+
+        # Running requests first (decodes and unfinished prefill chunks), in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids = None
+            while True:
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if new_block_ids is None:
+                break
+            out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=False))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, unless this step had to preempt (memory is short: let it drain).
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted_req_ids
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_block_ids = self.kv.allocate_slots(req, num_new, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=True))
+            budget -= num_new
+
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids_slice(start, start + num_new),
+            start_pos=start,
+            new_block_ids=new_block_ids,
+            is_new=is_new,
+            needs_sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            output_len=req.num_output_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute mode: drop the K/V; prompt + outputs so far are prefilled again on resumption.
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests; returns those touched."""
+        touched = []
+        for sched in out.scheduled:
+            req = self.requests.get(sched.request_id)
+            if req is None or req.is_finished:  # aborted after scheduling
+                continue
+            req.num_computed_tokens += len(sched.token_ids)
+            token = sampled.get(sched.request_id)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            if req.check_stop():
+                self._finish(req)
+            touched.append(req)
+        return touched
+
+    # ---- finishing -------------------------------------------------------------------------------
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Abort, or finish for a reason found outside the core (a stop string)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_since_last_step.append(req.request_id)
+
+    def max_blocks_per_request(self) -> int:
+        return cdiv(self.config.max_model_len, self.kv.block_size)

@@ -1,0 +1,81 @@
+"""`kvserve` command line: `kvserve chat`, `kvserve generate` (more subcommands as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Sampling options")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+
+
+def _make_llm(ns):
+    from kvserve.entrypoints.llm import LLM
+
+    return LLM.from_engine_args(engine_args_from_namespace(ns, ns.model))
+
+
+def _params(ns):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens, seed=ns.sampling_seed
+    )
+
+
+def cmd_chat(ns) -> int:
+    llm = _make_llm(ns)
+    messages = [{"role": "user", "content": m} for m in ns.messages]
+    for out in llm.chat([[m] for m in messages], _params(ns), use_tqdm=False):
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_generate(ns) -> int:
+    llm = _make_llm(ns)
+    for out in llm.generate(ns.prompts, _params(ns), use_tqdm=False):
+        print(out.prompt + out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference with paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="Answer chat messages offline (one conversation each) and print the replies.")
+    chat.add_argument("messages", nargs="+", help="User messages.")
+    chat.add_argument("--model", default=None, help="Model directory or .gguf (default: embedded SmolLM2).")
+    add_engine_args(chat)
+    _sampling_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    gen = sub.add_parser("generate", help="Complete prompts offline and print prompt + completion.")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--model", default=None)
+    add_engine_args(gen)
+    _sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}. See EngineArgs for the list.")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(args)
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} sampling params for {len(prompts)} prompts: pass one, or one per prompt."
+                )
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)  # all or nothing: no orphans left in the engine
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not tokenizer.chat_template:
+            raise ValueError("This tokenizer has no chat template: pass chat_template=... (a jinja2 string).")
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            pbar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        if pbar is not None:
+                            pbar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,36 @@
+"""The attention backend interface and the lookup from --attention-backend to an implementation."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvserve.ops.attention_metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write this step's K/V into the cache at meta.slot_mapping, then attend causally over
+        each request's whole context (cached blocks + this step's tokens)."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from kvserve.ops.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kvserve.ops.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose torch or triton)")

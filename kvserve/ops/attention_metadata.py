@@ -1,0 +1,29 @@
+"""What every attention backend needs about one step's flat batch. Built once per step by the model
+runner and passed down through the model: no global state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # Per token (T = all scheduled tokens of all requests, concatenated by request).
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where the token's K/V go
+    # Per request (B requests).
+    query_start_loc: torch.Tensor  # [B + 1] int32: request i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: the request's blocks, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int  # T without CUDA-graph padding
+    block_size: int
+    # Host copies for backends that loop on the CPU side (the torch reference).
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
