@@ -35,13 +35,13 @@ def check_max_model_len_fits(config: EngineConfig, num_blocks: int, bytes_per_bl
         return
     needed_blocks = -(-config.max_model_len // block_size)
     needed = needed_blocks * bytes_per_block
-    where = "--kv-cache-memory-bytes" if config.device == "cpu" else "--gpu-memory-utilization"
+    where = "--kv-cache-memory-bytes" if config.device == "cpu" else "--gpu-memory-utilization (or --kv-cache-memory-bytes)"
     raise ValueError(
         f"The model's max seq len ({config.max_model_len}) is larger than the maximum number of tokens "
         f"that can be stored in the KV cache ({capacity_tokens}). One request of max_model_len tokens "
         f"needs {needed / GiB:.3f} GiB of KV cache, but only {kv_bytes / GiB:.3f} GiB is available. "
         f"Use --max-model-len {capacity_tokens} or less, or give the KV cache more memory with "
-        f"{where} (or --kv-cache-memory-bytes)."
+        f"{where}."
     )
 
 

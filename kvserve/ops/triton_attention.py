@@ -1,0 +1,360 @@
+"""Paged attention in Triton: the GPU backend (``--attention-backend triton``).
+
+Three kernels, all launched without host syncs (grids are sized from python ints only):
+
+* ``_reshape_and_cache_kernel``: one program per token of ``slot_mapping`` copies that token's K and V
+  (all kv heads) into the paged cache; negative slots (CUDA-graph padding) are skipped.
+* ``_unified_attention_kernel``: mixed batches (prefill chunks with cached context, decodes).
+  Grid ``(num_q_tiles, Hkv)``. A q tile is BLOCK_Q consecutive query tokens of one request; the M
+  dimension of ``tl.dot`` packs those tokens times the GQA group of query heads sharing the program's kv
+  head (row m = token m // G, head kvh * G + m % G). Request i owns tiles
+  ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``; that start index is strictly increasing in
+  i, so a program finds its request by binary search over ``query_start_loc``, and the total is at most
+  ``T // BLOCK_Q + B`` tiles (surplus tiles return at once). Each program walks the request's keys in
+  tiles of TILE_N up to the causal limit of its last query, gathering K/V through the block table key by
+  key (so TILE_N is independent of the cache's block size), with a flash-attention online softmax (fp32,
+  exp2).
+* ``_decode_kernel`` + ``_combine_splits_kernel``: split-KV (flash-decoding) for decode-only batches with
+  few requests: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous range of the context
+  and writes a partial output with its running max and sum, and the combine kernel (grid ``(B, H)``)
+  merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.ops.attention_metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    idx = tl.arange(0, BLOCK_HD)
+    h = idx // HEAD_DIM
+    d = idx % HEAD_DIM
+    mask = idx < NUM_KV_HEADS * HEAD_DIM
+    tok64 = tok.to(tl.int64)
+    kx = tl.load(k_ptr + tok64 * stride_kt + h * stride_kh + d, mask=mask)
+    vx = tl.load(v_ptr + tok64 * stride_vt + h * stride_vh + d, mask=mask)
+    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
+    tl.store(k_cache_ptr + dst, kx.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, vx.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, query_pos,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, key_end, qk_scale,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
+    [key_start, key_end) of one request, masked causally by query_pos ([BLOCK_M]). Scores are in the
+    log2 domain (qk_scale includes log2(e)); m_i stays -inf for rows that saw no key."""
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, TILE_N)
+    for start in range(key_start, key_end, TILE_N):
+        kpos = start + n
+        k_ok = kpos < key_end
+        phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        base = phys * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tl.where(k_ok[None, :] & (kpos[None, :] <= query_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _unified_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    num_reqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # The request of this tile: the last i with qsl[i] // BLOCK_Q + i <= tile (binary search).
+    lo = num_reqs * 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    req = lo
+
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_first = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query (within the request) of the tile
+    if q_first >= q_len:  # a surplus tile
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # the request's queries sit at positions ctx_len .. seq_len - 1
+
+    m = tl.arange(0, BLOCK_M)
+    qi = q_first + m // NUM_Q_PER_KV
+    head = kvh * NUM_Q_PER_KV + m % NUM_Q_PER_KV
+    row_ok = (m // NUM_Q_PER_KV < BLOCK_Q) & (qi < q_len)
+    query_pos = ctx_len + qi
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + qi).to(tl.int64)
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Keys up to the causal limit of the tile's last query.
+    key_end = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, query_pos,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, kvh, 0, key_end, qk_scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+    )
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Decode-only batches: one program per (request, kv head, split of the context)."""
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) <= q_start:  # no query token for this request
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    m = tl.arange(0, BLOCK_M)
+    head = kvh * NUM_Q_PER_KV + m
+    row_ok = m < NUM_Q_PER_KV
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    tok = q_start.to(tl.int64)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+
+    # The split's key range: the context cut into NUM_SPLITS pieces of whole TILE_N tiles.
+    per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (per_split + TILE_N - 1) // TILE_N * TILE_N
+    key_start = split * per_split
+    key_end = tl.minimum(key_start + per_split, seq_len)
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, query_pos,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, kvh, key_start, key_end,
+        qk_scale, stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+    )
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # Partials laid out [B, H, NUM_SPLITS, (HEAD_DIM_P)], contiguous.
+        row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_P + d[None, :], out, mask=row_ok[:, None])
+        tl.store(part_m_ptr + row, m_i, mask=row_ok)
+        tl.store(part_l_ptr + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) <= q_start:
+        return
+    s = tl.arange(0, SPLITS_P)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, HEAD_DIM_P)
+    row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + s
+    m_s = tl.load(part_m_ptr + row, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
+    o_s = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m_s, axis=0)  # finite: the first split always holds key 0
+    w = tl.exp2(m_s - m_max) * l_s  # empty splits: exp2(-inf) * 0 = 0
+    out = tl.sum(o_s * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_tokens: int | None = None) -> None:
+    """Write k/v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping (the first
+    ``min(len(slot_mapping), num_tokens, T)`` tokens; negative slots are skipped)."""
+    n = min(slot_mapping.shape[0], k.shape[0], num_tokens if num_tokens is not None else k.shape[0])
+    if n <= 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    assert kv_cache.stride(-1) == 1
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(n,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=_next_pow2(num_kv_heads * head_dim),
+        BLOCK_SIZE=block_size,
+    )
+
+
+class TritonAttentionBackend:
+    """``split_kv``: None chooses by the heuristic below, True forces the split-KV path for decode-only
+    batches, False never uses it. ``num_splits`` overrides the number of splits when the path is taken.
+    ``num_sms`` defaults to the current CUDA device's (132 on an H200; 132 where there is no GPU)."""
+
+    # Tile sizes (keys per inner-loop step, rows of the M dimension).
+    PREFILL_BLOCK_M = 64
+    DECODE_BLOCK_M = 16
+    TILE_N = 32
+    # Split-KV: each split gets at least this many keys, and at most this many splits.
+    MIN_KEYS_PER_SPLIT = 256
+    MAX_SPLITS = 32
+
+    def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
+        self.split_kv = split_kv
+        self.forced_num_splits = num_splits
+        self._num_sms = num_sms
+
+    @property
+    def num_sms(self) -> int:
+        if self._num_sms is None:
+            if torch.cuda.is_available():
+                self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            else:
+                self._num_sms = 132
+        return self._num_sms
+
+    def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+        """1 = no split-KV. Split only decode-only batches; by default only when B * Hkv programs would
+        leave most SMs idle, and then enough splits for about two programs per SM, each split at least
+        MIN_KEYS_PER_SPLIT keys long."""
+        if max_query_len != 1 or self.split_kv is False:
+            return 1
+        if self.forced_num_splits is not None:
+            return max(1, self.forced_num_splits)
+        work = num_reqs * num_kv_heads
+        by_len = _cdiv(max_seq_len, self.MIN_KEYS_PER_SPLIT)
+        if self.split_kv is None and (work * 2 > self.num_sms or by_len < 2):
+            return 1
+        splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
+        return max(splits, 2 if self.split_kv else 1)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim
+        block_size = kv_cache.shape[2]
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, meta.num_actual_tokens)
+
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        num_reqs = meta.seq_lens.shape[0]
+        if num_tokens == 0 or num_reqs == 0:
+            return out
+        q = _last_dim_contiguous(q)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        g = num_heads // num_kv_heads
+        head_dim_p = max(16, _next_pow2(head_dim))
+        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+        qk_scale = scale * _LOG2E
+        block_tables = meta.block_tables
+        common = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, DOT_PREC=dot_prec)
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+
+        num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
+        if num_splits > 1:
+            block_m = max(16, _next_pow2(g))
+            part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
+                                   device=q.device)
+            part_m = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+            _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+                out, part_out, part_m, part_l,
+                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, qk_scale,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+                NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
+                TILE_N=self.TILE_N, num_warps=4, **common,
+            )
+            _combine_splits_kernel[(num_reqs, num_heads)](
+                out, part_out, part_m, part_l, meta.query_start_loc, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_P=_next_pow2(num_splits),
+                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, num_warps=4,
+            )
+            return out
+
+        block_m = self.DECODE_BLOCK_M if meta.max_query_len == 1 else self.PREFILL_BLOCK_M
+        block_m = max(block_m, _next_pow2(g))
+        block_q = block_m // g
+        num_tiles = num_tokens // block_q + num_reqs
+        _unified_attention_kernel[(num_tiles, num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+            NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=self.TILE_N, num_warps=4, **common,
+        )
+        return out

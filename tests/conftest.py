@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random-weight HF checkpoints built locally (nothing is downloaded) and the
+HF transformers oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+TINY_VOCAB = 49152  # the SmolLM2 tokenizer's vocabulary, so every tiny model can share it
+
+
+def _tiny_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    if arch == "llama":
+        # Llama-3 style rope scaling, so that path is checked against HF too.
+        return transformers.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        )
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from kvserve.model.default_model import find_default_gguf, load_tokenizer
+
+    return load_tokenizer(find_default_gguf())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, smol_tokenizer):
+    """arch -> (path, HF model) for a random fp32 checkpoint saved with the SmolLM2 tokenizer."""
+    import transformers
+
+    cache = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            torch.manual_seed(1234)
+            model = transformers.AutoModelForCausalLM.from_config(_tiny_config(arch)).eval()
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            smol_tokenizer.save_pretrained(path)
+            cache[arch] = (str(path), model)
+        return cache[arch]
+
+    return make
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: HF transformers greedy decoding, one prompt at a time (no padding effects)."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = model.generate(
+                torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=0,
+            )
+            outs.append(seq[0, len(p):].tolist())
+    return outs

@@ -1,0 +1,246 @@
+"""The Triton attention backend against the torch reference, on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET is read when ``@triton.jit`` decorates a kernel, so this module loads a private copy of
+kvserve/ops/triton_attention.py with TRITON_INTERPRET=1 set just for that import: the copy's kernels are
+interpreted, the env var is restored, and the regular ``kvserve.ops.triton_attention`` (if anyone else
+imports it in this session) is left untouched. All checks are in fp32 on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.ops.attention_metadata import AttentionMetadata  # noqa: E402
+from kvserve.ops.torch_attention import TorchAttentionBackend  # noqa: E402
+
+ATOL = 1e-4
+RTOL = 1e-4
+
+
+def _load_interpreted_module():
+    import kvserve.ops
+
+    path = os.path.join(os.path.dirname(kvserve.ops.__file__), "triton_attention.py")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("_kvserve_triton_attention_interpreted", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(mod._unified_attention_kernel, InterpretedFunction)
+    return mod
+
+
+ta = _load_interpreted_module()
+
+
+def make_batch(ctx_lens, q_lens, *, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, pad_tokens=0,
+               pad_slots=False, qkv_views=False, seed=0):
+    """Random q/k/v for one step and a random paged cache (garbage everywhere, so any read of a slot that
+    is not part of a context shows up), with shuffled, non-contiguous block tables padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 2 * sum(blocks_per_req) + 3
+    ids = list(range(1, num_blocks))  # block 0 = the tables' padding value, never handed out
+    rnd.shuffle(ids)
+    max_blocks = max(blocks_per_req) + 2
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, nb in enumerate(blocks_per_req):
+        tables[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)], dtype=torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    slots = []
+    for i, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
+        for p in range(c, s):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    num_actual = len(slots)
+    if pad_slots:
+        slots += [-1] * pad_tokens
+    t = num_actual + pad_tokens
+    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=qsl,
+        seq_lens=seq_t,
+        block_tables=tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_actual_tokens=num_actual,
+        block_size=block_size,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens_cpu=seq_t.clone(),
+    )
+    h, hkv, d = num_heads, num_kv_heads, head_dim
+    if qkv_views:  # as the model passes them: views of one fused qkv projection
+        qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    else:
+        q = torch.randn(t, h, d, generator=g)
+        k = torch.randn(t, hkv, d, generator=g)
+        v = torch.randn(t, hkv, d, generator=g)
+    kv_cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g)
+    return q, k, v, kv_cache, meta
+
+
+def run_both(q, k, v, kv_cache, meta, backend=None):
+    """(triton out, triton cache, reference out, reference cache). The reference gets the slot mapping
+    trimmed to the real tokens (torch indexing would write slot -1 into the cache's last slot)."""
+    scale = q.shape[-1] ** -0.5
+    n = meta.num_actual_tokens
+    ref_meta = AttentionMetadata(**{**meta.__dict__, "slot_mapping": meta.slot_mapping[:n]})
+    ref_cache = kv_cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, ref_meta, scale)
+    tri_cache = kv_cache.clone()
+    out = (backend or ta.TritonAttentionBackend()).forward(q, k, v, tri_cache, meta, scale)
+    return out, tri_cache, ref, ref_cache
+
+
+def check(ctx_lens, q_lens, backend=None, **kw):
+    q, k, v, kv_cache, meta = make_batch(ctx_lens, q_lens, **kw)
+    out, tri_cache, ref, ref_cache = run_both(q, k, v, kv_cache, meta, backend)
+    n = meta.num_actual_tokens
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out[:n], ref[:n], atol=ATOL, rtol=RTOL)
+    return out, ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_works():
+    """Triton 3.6's interpreter turns a loop bound into a python int with int(1-element array), which
+    numpy >= 2.4 refuses; triton >= 3.7 fixed it. Skip (with the reason) rather than fail on that."""
+    try:
+        check([3], [1])
+    except Exception as exc:  # noqa: BLE001
+        if "0-dimensional arrays" in repr(exc):
+            pytest.skip(f"this triton's interpreter cannot run with this numpy ({exc!r}); use triton>=3.7")
+        raise
+
+
+# --- decode-only -------------------------------------------------------------------------------------
+
+DECODE_CTX = [0, 6, 8, 16, 29, 70]  # contexts before the step: lengths 1..71, multiples of 8 and not
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+def test_decode_unified(num_heads, num_kv_heads):
+    check(DECODE_CTX, [1] * len(DECODE_CTX), ta.TritonAttentionBackend(split_kv=False),
+          num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_heads + num_kv_heads)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_decode_split_kv(num_splits, num_heads, num_kv_heads):
+    # 5 splits of a 1-token context: all but the first split are empty.
+    check(DECODE_CTX, [1] * len(DECODE_CTX), ta.TritonAttentionBackend(split_kv=True, num_splits=num_splits),
+          num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_splits)
+
+
+def test_decode_split_kv_heuristic_path():
+    # A few long decodes on a pretend 8-SM GPU: the default backend takes the split path by itself.
+    backend = ta.TritonAttentionBackend(num_sms=8)
+    assert backend.choose_num_splits(2, 2, 1, 600) > 1
+    check([599, 300], [1, 1], backend, block_size=16, seed=3)
+
+
+def test_choose_num_splits():
+    b = ta.TritonAttentionBackend(num_sms=132)
+    assert b.choose_num_splits(4, 8, 1, 2048) == 8  # 32 programs, 2048 keys: 8 splits of 256 keys
+    assert b.choose_num_splits(256, 8, 1, 2048) == 1  # the grid already fills the GPU
+    assert b.choose_num_splits(4, 8, 1, 300) == 1  # too short to be worth it
+    assert b.choose_num_splits(4, 8, 2, 4096) == 1  # not decode-only
+    assert 1 < b.choose_num_splits(1, 1, 1, 1 << 20) <= b.MAX_SPLITS
+    assert ta.TritonAttentionBackend(split_kv=False).choose_num_splits(1, 1, 1, 4096) == 1
+    assert ta.TritonAttentionBackend(split_kv=True).choose_num_splits(1, 1, 1, 40) == 2
+    assert ta.TritonAttentionBackend(split_kv=True, num_splits=7).choose_num_splits(1, 1, 1, 40) == 7
+    assert ta.TritonAttentionBackend(split_kv=True, num_splits=7).choose_num_splits(1, 1, 3, 40) == 1
+
+
+# --- prefill and mixed -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2)])
+def test_prefill(num_heads, num_kv_heads):
+    # 40 tokens span several q tiles for every GQA ratio (64 rows / group size).
+    check([0, 0, 0], [40, 1, 7], num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16, seed=11)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch(num_heads, num_kv_heads, block_size):
+    # A prefill chunk on top of a cached prefix (chunked prefill / prefix hit), decodes, a fresh prompt.
+    check([21, 5, 0, 47], [19, 1, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads,
+          block_size=block_size, seed=block_size + num_heads)
+
+
+def test_non_power_of_two_group():
+    # Qwen2-0.5B style GQA group of 7 (here 3): 64 // 3 tokens per tile, unused rows masked.
+    check([9, 0, 30], [1, 25, 3], num_heads=6, num_kv_heads=2, block_size=8, seed=5)
+    check([9, 30], [1, 1], ta.TritonAttentionBackend(split_kv=True, num_splits=2), num_heads=6, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_head_dims(head_dim):
+    check([12, 0], [5, 9], num_heads=2, num_kv_heads=1, head_dim=head_dim, block_size=32, seed=head_dim)
+
+
+def test_strided_qkv_views():
+    # q, k, v as views of a fused projection: token stride (H + 2 Hkv) * D.
+    check([10, 3], [6, 1], qkv_views=True, seed=7)
+    check([10, 3], [1, 1], ta.TritonAttentionBackend(split_kv=True, num_splits=2), qkv_views=True, seed=8)
+
+
+# --- CUDA-graph padding ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pad_slots", [False, True])
+def test_padding_tokens_not_written(pad_slots):
+    # T = real tokens + 5 padding tokens; slot_mapping either stops at num_actual_tokens or holds -1 there.
+    q, k, v, kv_cache, meta = make_batch([13, 2], [4, 1], pad_tokens=5, pad_slots=pad_slots, seed=9)
+    assert meta.slot_mapping.shape[0] == meta.num_actual_tokens + (5 if pad_slots else 0) < q.shape[0]
+    out, tri_cache, ref, ref_cache = run_both(q, k, v, kv_cache, meta)
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)  # only the real tokens' slots changed
+    torch.testing.assert_close(out[:n], ref[:n], atol=ATOL, rtol=RTOL)
+
+
+def test_negative_slot_skipped_and_num_actual_tokens_respected():
+    q, k, v, kv_cache, meta = make_batch([4], [6], seed=10)
+    before = kv_cache.clone()
+    meta.slot_mapping = meta.slot_mapping.clone()
+    skipped = int(meta.slot_mapping[2])
+    meta.slot_mapping[2] = -1
+    ta.reshape_and_cache(k, v, kv_cache, meta.slot_mapping, num_tokens=5)  # token 5 is past the limit
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat_before = before.view(2, -1, *kv_cache.shape[3:])
+    for t in range(6):
+        slot = int(meta.slot_mapping[t]) if t != 2 else skipped
+        if t in (2, 5):
+            torch.testing.assert_close(flat[:, slot], flat_before[:, slot], atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(flat[0, slot], k[t], atol=0, rtol=0)
+            torch.testing.assert_close(flat[1, slot], v[t], atol=0, rtol=0)
+    last = flat.shape[1] - 1
+    if last not in meta.slot_mapping.tolist():  # -1 did not wrap around to the cache's last slot
+        assert torch.equal(flat[:, last], flat_before[:, last])
+
+
+def test_get_attention_backend():
+    from kvserve.ops.attention_backend import get_attention_backend
+
+    assert type(get_attention_backend("triton")).__name__ == "TritonAttentionBackend"
