@@ -18,6 +18,7 @@ class EngineArgs:
     # Model
     model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.", "group": "Model"})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer directory (default: the model's).", "group": "Model"})
+    skip_tokenizer_init: bool = field(default=False, metadata={"help": "Do not load a tokenizer: prompts must be token ids and outputs are not detokenized.", "group": "Model"})
     served_model_name: str | None = field(default=None, metadata={"help": "Model name in the API (default: the model argument).", "group": "Model"})
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16. auto: float32 on CPU, the checkpoint's half type (bfloat16 for float32 checkpoints) on GPU.", "group": "Model"})
     max_model_len: int | None = field(default=None, metadata={"help": "Context length (prompt + output); default: the model's.", "group": "Model"})

@@ -54,7 +54,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute for logits."""
-        if not self.enable_caching:
+        # Prompt logprobs need the logits of every prompt token, so nothing may be skipped (as vLLM).
+        if not self.enable_caching or getattr(request.sampling_params, "prompt_logprobs", None) is not None:
             return [], 0
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -68,6 +69,11 @@ class KVCacheManager:
         self.prefix_cache_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def shared_blocks(self, source_id: str, num_blocks: int) -> list[KVBlock]:
+        """The first `num_blocks` blocks of another request's table (n > 1 samples of one prompt), to be
+        taken by allocate_slots like prefix hits (ref count +1, no copy); prefix caching on or off."""
+        return self.req_to_blocks[source_id][:num_blocks]
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
     ) -> list[int] | None:
@@ -76,6 +82,16 @@ class KVCacheManager:
         `new_computed_blocks` are prefix-cache hits found for a request being admitted; they are
         only taken (ref count +1) if the whole allocation succeeds.
         """
+        if not new_computed_blocks:
+            # Fast path, most decode steps: the last block still has room and no block fills up.
+            blocks = self.req_to_blocks.get(request.request_id)
+            if blocks is not None:
+                end = request.num_computed_tokens + num_new_tokens
+                if end <= len(blocks) * self.block_size and (
+                    not self.enable_caching
+                    or min(end, request.num_tokens) // self.block_size <= self._num_cached_blocks.get(request.request_id, 0)
+                ):
+                    return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

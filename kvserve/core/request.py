@@ -55,14 +55,16 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit length at first admission
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    # n > 1: the sibling sample whose prompt blocks this one shares (by reference count, not by copy).
+    prefix_source_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self):
+        # Read several times per request per step: kept as a plain int rather than recomputed.
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -87,6 +89,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def check_stop(self) -> bool:
         """Sets a finished status when the newest token ends the request; returns whether it did."""

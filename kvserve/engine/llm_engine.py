@@ -13,8 +13,10 @@ from kvserve.config import EngineArgs
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.model.default_model import load_tokenizer
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.model.loader import DTYPES
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
 from kvserve.worker.model_runner import ModelRunner
@@ -40,21 +42,27 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.config = config = args.create_engine_config()
         torch.manual_seed(args.seed)
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+        on_gpu = config.device == "cuda"
+        if on_gpu:
+            free_at_start, total = torch.cuda.mem_get_info()
+            memory.check_weights_fit(config, free_at_start, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
         logger.info("Loaded %s in %.1f s (%s, %s)", config.model_path, time.perf_counter() - t0, config.dtype, config.device)
 
         bytes_per_block = self.runner.kv_bytes_per_block()
         if args.num_gpu_blocks_override is not None:
-            num_blocks = args.num_gpu_blocks_override
-            kv_bytes = num_blocks * bytes_per_block
-        else:
+            kv_bytes = args.num_gpu_blocks_override * bytes_per_block
+        elif args.kv_cache_memory_bytes is not None or not on_gpu:
             kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
-            num_blocks = memory.num_blocks_from_bytes(kv_bytes, bytes_per_block)
+        else:
+            kv_bytes = memory.kv_cache_bytes_gpu(config, self.runner, free_at_start, total)
+        num_blocks = memory.num_blocks_from_bytes(kv_bytes, bytes_per_block)
         memory.check_max_model_len_fits(config, num_blocks, bytes_per_block, kv_bytes)
         memory.log_kv_cache(config, num_blocks, kv_bytes)
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs(args.max_num_seqs)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -66,15 +74,21 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
-        self._prompts: dict[str, tuple[str | None, list[int], RequestMetrics]] = {}
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.model_config.vocab_size,
+            finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
+        )
         self._ids = itertools.count()
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids."""
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init is set: give prompts as {'prompt_token_ids': [...]}.")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -90,8 +104,11 @@ class LLMEngine:
         )
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
-        params = params or SamplingParams()
+        arrival = time.time()
+        params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -105,17 +122,56 @@ class LLMEngine:
                 f"The prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len} "
                 f"(max_model_len). Shorten the prompt or raise --max-model-len."
             )
-        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id)
-        self.scheduler.add_request(request)
-        self._prompts[request_id] = (text, token_ids, RequestMetrics(arrival_time=time.time()))
+        self._resolve_params(params)
+        samples = self._fan_out(request_id, params)
+        first_id = samples[0][0]
+        requests = [
+            Request(sample_id, token_ids, sample_params, eos_token_id=self.eos_token_id,
+                    prefix_source_id=None if sample_id == first_id else first_id)
+            for sample_id, sample_params in samples
+        ]
+        added = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add(request_id, text, token_ids, params, requests, arrival)
         return request_id
+
+    def _resolve_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: the model's EOS ids, bad words as token ids, the vocabulary."""
+        params.update_from_model(self.eos_token_id, self.config.model_config.eos_token_ids)
+        if self.tokenizer is None and (params.stop or params.bad_words):
+            raise ValueError("stop strings and bad_words need a tokenizer; skip_tokenizer_init is set.")
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_token_ids(self.config.model_config.vocab_size)
+
+    @staticmethod
+    def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """n > 1: one core request per sample (vLLM's ids f"{i}_{parent}"); sample i draws from seed + i,
+        so samples differ yet are reproducible. Prompt logprobs are a property of the prompt: only the
+        first sample computes them (the others share its prompt blocks)."""
+        if params.n == 1:
+            return [(request_id, params)]
+        samples = []
+        for i in range(params.n):
+            p = params.clone()
+            p.n = 1
+            if p.seed is not None:
+                p.seed += i
+            if i > 0:
+                p.prompt_logprobs = None
+            samples.append((f"{i}_{request_id}", p))
+        return samples
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for rid in request_ids:
-            self._prompts.pop(rid, None)
+        self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -126,42 +182,10 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        sampled = self.runner.execute(sched_out)
-        touched = self.scheduler.update(sched_out, sampled)
-        now = time.time()
-        outputs = []
-        for req in touched:
-            text, prompt_ids, metrics = self._prompts[req.request_id]
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            if req.is_finished:
-                metrics.finished_time = now
-                del self._prompts[req.request_id]
-            outputs.append(self._make_output(req, text, prompt_ids, metrics))
-        return outputs
-
-    def _make_output(self, req: Request, text, prompt_ids, metrics) -> RequestOutput:
-        params = req.sampling_params
-        finished = req.is_finished
-        out_text = ""
-        if finished and params.detokenize:
-            out_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        completion = CompletionOutput(
-            index=0,
-            text=out_text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.status.finish_reason if finished else None,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=text,
-            prompt_token_ids=prompt_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=metrics,
-        )
+        scheduled_time = time.time()
+        result = self.runner.execute(sched_out)
+        touched = self.scheduler.update(sched_out, result.sampled)
+        return self.output_processor.process(sched_out, result, touched, scheduled_time)
 
     def get_stats(self) -> EngineStats:
         pc = self.kv_cache_manager.prefix_cache_stats

@@ -52,3 +52,55 @@ def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
     logger.info(
         "Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len, tokens / config.max_model_len
     )
+
+
+def check_weights_fit(config: EngineConfig, free_bytes: int, total_bytes: int, dtype_bytes: int) -> None:
+    """Before loading: a model whose weights alone exceed the budget fails with what to change."""
+    weights = config.model_config.num_params() * dtype_bytes
+    budget = total_bytes * config.args.gpu_memory_utilization - (total_bytes - free_bytes)
+    if weights > budget:
+        raise ValueError(
+            f"The model's weights need {weights / GiB:.2f} GiB ({config.dtype}), but only {max(budget, 0) / GiB:.2f} "
+            f"GiB of the {total_bytes / GiB:.2f} GiB GPU is available to this engine (--gpu-memory-utilization "
+            f"{config.args.gpu_memory_utilization}, {(total_bytes - free_bytes) / GiB:.2f} GiB already in use by "
+            f"other processes). Use a quantized checkpoint (--quantization), split the model across GPUs "
+            f"(--tensor-parallel-size), pick a smaller model, or raise --gpu-memory-utilization."
+        )
+
+
+def kv_cache_bytes_gpu(config: EngineConfig, runner, free_at_start: int, total: int) -> int:
+    """vLLM's rule: total x gpu_memory_utilization, minus what others held at start, the weights,
+    the activation peak of the largest step, memory outside torch's allocator and the graph pool."""
+    import torch
+
+    args = config.args
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
+    peak_activation = torch.cuda.max_memory_allocated() - weights
+    torch.cuda.empty_cache()
+    free_now, _ = torch.cuda.mem_get_info()
+    others = total - free_at_start
+    non_torch = max(0, (total - free_now) - torch.cuda.memory_reserved() - others)
+    graph_reserve = 0
+    if not args.enforce_eager:
+        # Decode graphs hold activations for up to max_num_seqs tokens; a margin for the pool's slack.
+        graph_reserve = int(peak_activation * min(1.0, args.max_num_seqs / config.max_num_batched_tokens) * 1.5) + 64 * (1 << 20)
+    budget = int(total * args.gpu_memory_utilization)
+    kv_bytes = budget - others - weights - peak_activation - non_torch - graph_reserve
+    logger.info(
+        "Memory: total %.2f GiB x %.2f = %.2f GiB; in use by others %.2f, weights %.2f, activation peak %.2f, "
+        "non-torch %.2f, CUDA graph reserve %.2f GiB",
+        total / GiB, args.gpu_memory_utilization, budget / GiB, others / GiB, weights / GiB,
+        peak_activation / GiB, non_torch / GiB, graph_reserve / GiB,
+    )
+    if kv_bytes <= 0:
+        raise ValueError(
+            f"No GPU memory is left for the KV cache: weights {weights / GiB:.2f} GiB + activation peak "
+            f"{peak_activation / GiB:.2f} GiB (for --max-num-batched-tokens {config.max_num_batched_tokens}) + "
+            f"{(others + non_torch + graph_reserve) / GiB:.2f} GiB other use exceed {budget / GiB:.2f} GiB "
+            f"(--gpu-memory-utilization {args.gpu_memory_utilization}). Raise --gpu-memory-utilization, lower "
+            f"--max-num-batched-tokens or --max-num-seqs, or use a smaller/quantized model."
+        )
+    return kv_bytes

@@ -12,9 +12,69 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.worker.runner_output import PositionLogprobs, RunnerOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
+from kvserve.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
+
+
+class StepInputs:
+    """One step's integer inputs, built on the host with numpy and sent in ONE host-to-device copy."""
+
+    FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices", "block_tables")
+
+    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
+        flat = [arrays[f].reshape(-1) for f in self.FIELDS]
+        sizes = [a.size for a in flat]
+        host = torch.from_numpy(np.concatenate(flat).astype(np.int32, copy=False))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        offset = 0
+        for field_name, size in zip(self.FIELDS, sizes):
+            setattr(self, field_name, dev[offset:offset + size])
+            setattr(self, field_name + "_cpu", host[offset:offset + size])
+            offset += size
+        self.block_tables = self.block_tables.view(arrays["block_tables"].shape)
+
+
+class BlockTables:
+    """Every running request's block ids in one persistent numpy array (a row per request), so a step
+    gathers its table with one fancy index instead of rebuilding it from Python lists."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
+        self.lengths = np.zeros(max_rows, dtype=np.int64)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    def add(self, rid: str, block_ids: list[int]) -> None:
+        if not self.free_rows:  # more live requests than max_num_seqs (possible only transiently)
+            grow = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self.free_rows = list(range(2 * grow - 1, grow - 1, -1))
+        row = self.free_rows.pop()
+        self.rows[rid] = row
+        self.lengths[row] = 0
+        self.append(rid, block_ids)
+
+    def append(self, rid: str, block_ids: list[int]) -> None:
+        row = self.rows[rid]
+        n = int(self.lengths[row])
+        self.table[row, n:n + len(block_ids)] = block_ids
+        self.lengths[row] = n + len(block_ids)
+
+    def release(self, rid: str) -> None:
+        row = self.rows.pop(rid, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def gather(self, rids: list[str]) -> np.ndarray:
+        rows = np.fromiter((self.rows[r] for r in rids), dtype=np.int64, count=len(rids))
+        return self.table[rows, : int(self.lengths[rows].max())]
 
 
 class ModelRunner:
@@ -24,6 +84,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.args.block_size
         self.model_config = config.model_config
+        self.max_model_len = config.max_model_len
         self.backend = get_attention_backend(config.attention_backend)
         self.model = load_model(
             config.model_config,
@@ -37,8 +98,10 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.graph_runner: CudaGraphRunner | None = None
         # Per-request state that outlives a step.
-        self.block_tables: dict[str, list[int]] = {}
+        max_blocks = -(-config.max_model_len // self.block_size)
+        self.block_tables = BlockTables(config.args.max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
 
     # ---- KV cache --------------------------------------------------------------------------------
@@ -46,105 +109,151 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return self.model_config.kv_bytes_per_token(elem) * self.block_size
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        if self.device.type != "cuda" or self.config.args.enforce_eager:
+            return
+        if self.config.attention_backend != "triton":
+            logger.info("CUDA graphs need the triton attention backend; running eagerly")
+            return
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
+            self.max_model_len, capture_sizes(max_num_seqs), self.device,
+            self.model_config.hidden_size, self.dtype,
+        )
+        self.graph_runner.capture()
+
+    # ---- profiling (memory sizing) -----------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A forward at the largest step (num_tokens over num_seqs requests) plus sampling at
+        num_seqs rows, on a scratch KV cache just big enough, so the peak activation can be measured."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        q_lens[: num_tokens % num_seqs] += 1
+        blocks_per_seq = -(-int(q_lens.max()) // self.block_size)
+        scratch = self.allocate_kv_cache(num_seqs * blocks_per_seq)
+        tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int64).reshape(num_seqs, blocks_per_seq)
+        inputs, meta = self._build_inputs(
+            token_ids=np.zeros(num_tokens, dtype=np.int64), q_lens=q_lens,
+            starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices.long()]).float()
+        # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
+        meta_s = SamplingMetadata(
+            temperature=torch.ones(num_seqs, device=self.device),
+            top_k=torch.full((num_seqs,), 50, device=self.device),
+            top_p=torch.full((num_seqs,), 0.9, device=self.device),
+            min_p=torch.full((num_seqs,), 0.05, device=self.device),
+            generators={}, all_greedy=False,
+        )
+        sample(logits, meta_s)
+        del scratch, hidden, logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ---- one step --------------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
+        tables = self.block_tables
         for rid in out.finished_req_ids:
-            self.block_tables.pop(rid, None)
+            tables.release(rid)
             self.generators.pop(rid, None)
         for rid in out.preempted_req_ids:
-            self.block_tables.pop(rid, None)  # the generator stays: a resumed request continues its stream
+            tables.release(rid)  # the generator stays: a resumed request continues its stream
         for s in out.scheduled:
             if s.is_new:
-                self.block_tables[s.request_id] = list(s.new_block_ids)
-            else:
-                self.block_tables[s.request_id].extend(s.new_block_ids)
+                tables.release(s.request_id)
+                tables.add(s.request_id, s.new_block_ids)
+            elif s.new_block_ids:
+                tables.append(s.request_id, s.new_block_ids)
             seed = getattr(s.sampling_params, "seed", None)
             if seed is not None and s.request_id not in self.generators:
                 self.generators[s.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows) -> tuple[StepInputs, AttentionMetadata]:
+        num_reqs = len(q_lens)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        req_idx = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(num_tokens) - qsl[req_idx] + starts[req_idx]
+        seq_lens = starts + q_lens
+        bs = self.block_size
+        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+        inputs = StepInputs(
+            dict(
+                input_ids=token_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=qsl,
+                seq_lens=seq_lens, logits_indices=qsl[1:][logits_rows] - 1, block_tables=tables,
+            ),
+            self.device,
+        )
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_actual_tokens=num_tokens,
+            block_size=bs,
+            query_start_loc_cpu=inputs.query_start_loc_cpu,
+            seq_lens_cpu=inputs.seq_lens_cpu,
+        )
+        return inputs, meta
 
     def prepare_inputs(self, out: SchedulerOutput):
         sched = out.scheduled
         num_reqs = len(sched)
         q_lens = np.fromiter((len(s.token_ids) for s in sched), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.start_pos for s in sched), dtype=np.int64, count=num_reqs)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        input_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=num_tokens)
-        req_idx = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(num_tokens) - qsl[req_idx] + starts[req_idx]
-        seq_lens = starts + q_lens
-
-        max_blocks = max(len(self.block_tables[s.request_id]) for s in sched)
-        tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, s in enumerate(sched):
-            row = self.block_tables[s.request_id]
-            tables[i, : len(row)] = row
-        bs = self.block_size
-        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+        token_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
+        tables = self.block_tables.gather([s.request_id for s in sched])
         logits_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-        logits_indices = qsl[1:][logits_rows] - 1
+        inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows)
+        return inputs, meta, logits_rows
 
-        dev = self.device
-        qsl_t = torch.from_numpy(qsl.astype(np.int32))
-        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=qsl_t.to(dev),
-            seq_lens=seq_lens_t.to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_actual_tokens=num_tokens,
-            block_size=bs,
-            query_start_loc_cpu=qsl_t,
-            seq_lens_cpu=seq_lens_t,
-        )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            torch.from_numpy(logits_indices).to(dev),
-            logits_rows,
-        )
-
-    def _sampling_metadata(self, out: SchedulerOutput, rows: list[int]) -> SamplingMetadata:
-        params = [out.scheduled[i].sampling_params for i in rows]
-        temps = [p.temperature for p in params]
-        all_greedy = all(t < 1e-5 for t in temps)
-        dev = self.device
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        return SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, device=dev) if any(top_k) else None,
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev) if any(p < 1 for p in top_p) else None,
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None,
-            generators={
-                j: self.generators[out.scheduled[i].request_id]
-                for j, i in enumerate(rows)
-                if out.scheduled[i].request_id in self.generators
-            },
-            all_greedy=all_greedy,
-        )
+    def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
+        return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_states(out)
         if out.is_empty:
-            return {}
-        input_ids, positions, meta, logits_indices, rows = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return RunnerOutput()
+        inputs, meta, rows = self.prepare_inputs(out)
+        num_reqs = len(out.scheduled)
+        graphs = self.graph_runner
+        if graphs is not None and meta.max_query_len == 1 and graphs.padded_size(num_reqs) is not None:
+            hidden = graphs.run(num_reqs, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                inputs.seq_lens, inputs.block_tables)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        result = RunnerOutput()
+        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
+            result.prompt_logprobs = compute_prompt_logprobs(
+                out.scheduled, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
+                self.model_config.vocab_size)
         if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        tokens = sample(logits, self._sampling_metadata(out, rows)).tolist()
-        return {out.scheduled[i].request_id: tok for i, tok in zip(rows, tokens)}
+            return result
+        logits = self.model.compute_logits(hidden[inputs.logits_indices.long()]).float()
+        sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
+        tokens = sampler_out.sampled.tolist()  # the step's one host sync
+        rids = [out.scheduled[i].request_id for i in rows]
+        result.sampled = dict(zip(rids, tokens))
+        if sampler_out.logprobs is not None:
+            ids, lps, ranks = (sampler_out.logprob_token_ids.tolist(), sampler_out.logprobs.tolist(),
+                               sampler_out.sampled_ranks.tolist())
+            for j, i in enumerate(rows):
+                if out.scheduled[i].sampling_params.logprobs is not None:
+                    result.logprobs[rids[j]] = PositionLogprobs([ids[j]], [lps[j]], [ranks[j]])
+        return result

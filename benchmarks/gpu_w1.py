@@ -1,0 +1,252 @@
+"""Everything a GPU session checks and measures, in one command (see DESIGN.md, workload W1).
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_w1.py [--out DIR] [--skip-hf] [--quick]
+
+1. parity: a small random bf16 Llama, kvserve (triton backend, CUDA graphs) vs HF transformers greedy on
+   8 prompts; where bf16 rounding makes them part, the HF logit margin at the split is printed. Also
+   triton vs torch backend and graphs vs --enforce-eager: identical greedy tokens.
+2. W1: Llama-3.1-8B shape, dummy bf16 weights, 256 requests (144,581 prompt / 151,597 output tokens).
+3. HF `generate` baseline on a slice of W1 (static batch), and kvserve on the same slice.
+4. batch-1 decode: 128-token prompt, 512 output tokens.
+A table is printed last; full results go to DIR/gpu_w1.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+W1_CONFIG = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+)
+
+
+def w1_requests():
+    rng = random.Random(0)
+    reqs = []
+    for _ in range(256):
+        in_len = rng.randint(100, 1024)
+        out_len = rng.randint(100, 1024)
+        reqs.append(([rng.randint(100, 119999) for _ in range(in_len)], out_len))
+    assert sum(len(p) for p, _ in reqs) == 144581 and sum(o for _, o in reqs) == 151597
+    assert len(reqs[0][0]) == 964 and reqs[0][1] == 494
+    return reqs
+
+
+def batch1_request():
+    rng = random.Random(1)
+    return [rng.randint(100, 119999) for _ in range(128)], 512
+
+
+def write_config(cfg: dict) -> str:
+    path = tempfile.mkdtemp(prefix="kvserve-w1-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def greedy(max_tokens):
+    from kvserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+# ---- 1. parity ------------------------------------------------------------------------------------
+def parity(results: dict) -> bool:
+    import transformers
+
+    from kvserve import LLM
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+        rope_theta=500000.0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    path = tempfile.mkdtemp(prefix="kvserve-parity-")
+    hf.save_pretrained(path)
+    rng = random.Random(2)
+    prompts = [[rng.randint(3, 31999) for _ in range(rng.randint(5, 400))] for _ in range(8)]
+    n_new = 32
+    expected, margins = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            expected.append(out.sequences[0, len(p):].tolist())
+            margins.append([(lg[0].float().topk(2).values[0] - lg[0].float().topk(2).values[1]).item() for lg in out.logits])
+    del hf
+    torch.cuda.empty_cache()
+
+    def run(**kw):
+        llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n_new), use_tqdm=False)
+        del llm
+        torch.cuda.empty_cache()
+        return [o.outputs[0].token_ids for o in outs]
+
+    triton_graphs = run(attention_backend="triton")
+    triton_eager = run(attention_backend="triton", enforce_eager=True)
+    torch_eager = run(attention_backend="torch", enforce_eager=True)
+    rows = []
+    for i, (exp, got) in enumerate(zip(expected, triton_graphs)):
+        split = next((j for j, (a, b) in enumerate(zip(exp, got)) if a != b), None)
+        rows.append({"prompt_len": len(prompts[i]), "identical": split is None, "first_split": split,
+                     "hf_top2_logit_margin_at_split": None if split is None else round(margins[i][split], 4)})
+    results["parity"] = {
+        "vs_hf": rows,
+        "identical_vs_hf": sum(r["identical"] for r in rows),
+        "graphs_equal_eager": triton_graphs == triton_eager,
+        "triton_equal_torch_backend": triton_eager == torch_eager,
+    }
+    print("parity:", json.dumps(results["parity"]), flush=True)
+    splits_are_ties = all(r["identical"] or r["hf_top2_logit_margin_at_split"] < 0.25 for r in rows)
+    return triton_graphs == triton_eager and splits_are_ties
+
+
+# ---- 2-4. speed ----------------------------------------------------------------------------------
+class StepTimer:
+    """Wraps an engine's step to split wall time into scheduling, the runner (incl. GPU wait) and update."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.sched = self.run = self.update = 0.0
+        self.steps = 0
+        sched, runner = engine.scheduler, engine.runner
+        orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute, sched.update
+
+        def schedule():
+            t = time.perf_counter(); r = orig_schedule(); self.sched += time.perf_counter() - t; self.steps += 1
+            return r
+
+        def execute(out):
+            t = time.perf_counter(); r = orig_execute(out); self.run += time.perf_counter() - t
+            return r
+
+        def update(out, sampled):
+            t = time.perf_counter(); r = orig_update(out, sampled); self.update += time.perf_counter() - t
+            return r
+
+        sched.schedule, runner.execute, sched.update = schedule, execute, update
+
+
+def run_kvserve(llm, reqs, label, results):
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [greedy(o) for _, o in reqs]
+    timer = StepTimer(llm.llm_engine)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(o for _, o in reqs), (n_out, sum(o for _, o in reqs))
+    res = {"seconds": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
+           "steps": timer.steps, "ms_per_step": round(1000 * elapsed / max(timer.steps, 1), 3),
+           "schedule_ms_per_step": round(1000 * timer.sched / max(timer.steps, 1), 3),
+           "execute_ms_per_step": round(1000 * timer.run / max(timer.steps, 1), 3),
+           "update_ms_per_step": round(1000 * timer.update / max(timer.steps, 1), 3)}
+    results[label] = res
+    print(label, json.dumps(res), flush=True)
+    return outs
+
+
+def hf_baseline(path_cfg: dict, reqs, batch: int, out_len: int, results):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in path_cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    slice_ = reqs[:batch]
+    width = max(len(p) for p, _ in slice_)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in slice_], device="cuda")
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, :16], attention_mask=mask[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+    n = batch * out_len
+    results["hf_slice"] = {"batch": batch, "out_len": out_len, "seconds": round(elapsed, 2), "output_tok_s": round(n / elapsed, 1)}
+    print("hf_slice", json.dumps(results["hf_slice"]), flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="W1's first 64 requests only")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    ok = True
+    if not args.skip_parity:
+        ok = parity(results)
+
+    reqs = w1_requests()
+    slice_batch, slice_out = 32, 128
+    if not args.skip_hf:
+        hf_baseline(W1_CONFIG, reqs, slice_batch, slice_out, results)
+
+    from kvserve import LLM
+
+    path = write_config(W1_CONFIG)
+    t = time.perf_counter()
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)
+    results["start_to_ready_s"] = round(time.perf_counter() - t, 1)
+    print("start_to_ready_s", results["start_to_ready_s"], flush=True)
+    run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
+    run_kvserve(llm, [(p, slice_out) for p, _ in reqs[:slice_batch]], "kvserve_slice", results)
+    run_kvserve(llm, [batch1_request()], "batch1", results)
+    work = reqs[:64] if args.quick else reqs
+    run_kvserve(llm, work, "w1", results)
+
+    with open(os.path.join(args.out, "gpu_w1.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n| measure | kvserve | baseline |\n|---|---|---|")
+    if "parity" in results:
+        p = results["parity"]
+        print(f"| greedy identical vs HF (8 prompts, bf16) | {p['identical_vs_hf']}/8 | splits at HF top-2 margins "
+              f"{[r['hf_top2_logit_margin_at_split'] for r in p['vs_hf'] if not r['identical']]} |")
+        print(f"| graphs == eager tokens / triton == torch | {p['graphs_equal_eager']} / {p['triton_equal_torch_backend']} | |")
+    if "hf_slice" in results:
+        ratio = results["kvserve_slice"]["output_tok_s"] / results["hf_slice"]["output_tok_s"]
+        print(f"| W1 slice {slice_batch}x{slice_out} out tok/s | {results['kvserve_slice']['output_tok_s']} | "
+              f"HF generate {results['hf_slice']['output_tok_s']} ({ratio:.2f}x) |")
+    w = results["w1"]
+    print(f"| W1{' (quick)' if args.quick else ''} output tok/s | {w['output_tok_s']} ({w['seconds']} s) | vLLM 0.26: 10211 (14.85 s) |")
+    print(f"| W1 ms/step: total / schedule / execute / update | {w['ms_per_step']} / {w['schedule_ms_per_step']} / "
+          f"{w['execute_ms_per_step']} / {w['update_ms_per_step']} | |")
+    b = results["batch1"]
+    print(f"| batch-1 decode tok/s | {b['output_tok_s']} ({b['ms_per_step']} ms/step) | vLLM 0.26: 203 |")
+    print(f"| start to ready (s) | {results['start_to_ready_s']} | vLLM 0.26: 182 |")
+    print(f"| correctness | {'OK' if ok else 'FAILED'} | |")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

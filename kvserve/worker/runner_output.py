@@ -1,0 +1,68 @@
+"""What one model-runner step hands back to the engine: sampled tokens, and logprobs where asked for.
+
+Also computes prompt logprobs: the model's distribution at every prompt position of the requests that
+asked, chunk by chunk as the prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.worker.sampler import gather_logprobs
+
+# Prompt positions per logits slice: bounds the [positions, vocab] float32 logits held at once.
+_PROMPT_LOGITS_SLICE = 256
+
+
+@dataclass
+class PositionLogprobs:
+    """Raw-distribution logprobs at consecutive positions: per position, the chosen (or actual) token
+    first, then the top alternatives; `ranks[i]` is the chosen token's rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # one position per sampling request
+    # request id -> (index in the prompt of the first token scored, logprobs of consecutive prompt tokens)
+    prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)
+
+
+def prompt_logprob_targets(scheduled, query_start_loc: list[int]) -> list[tuple]:
+    """(scheduled request, top-k, first flat token index, first target position, count) for every scheduled
+    chunk that holds prompt positions whose next token is still a prompt token."""
+    targets = []
+    for i, s in enumerate(scheduled):
+        k = getattr(s.sampling_params, "prompt_logprobs", None)
+        if k is None:
+            continue
+        # Token at position t predicts token t + 1; the last prompt position predicts the first output.
+        end = min(s.start_pos + len(s.token_ids), len(s.prompt_token_ids) - 1)
+        if end > s.start_pos:
+            targets.append((s, k, query_start_loc[i], s.start_pos + 1, end - s.start_pos))
+    return targets
+
+
+def compute_prompt_logprobs(scheduled, query_start_loc: list[int], hidden: torch.Tensor, compute_logits,
+                            vocab_size: int) -> dict[str, tuple[int, PositionLogprobs]]:
+    result = {}
+    for s, k, flat_start, first_target, count in prompt_logprob_targets(scheduled, query_start_loc):
+        prompt = s.prompt_token_ids
+        num = vocab_size if k == -1 else min(k, vocab_size)
+        ids, lps, ranks = [], [], []
+        for off in range(0, count, _PROMPT_LOGITS_SLICE):
+            n = min(_PROMPT_LOGITS_SLICE, count - off)
+            logits = compute_logits(hidden[flat_start + off:flat_start + off + n]).float()
+            actual = torch.tensor(prompt[first_target + off:first_target + off + n], device=logits.device)
+            t, lp, r = gather_logprobs(logits.log_softmax(-1), num, actual)
+            ids += t.tolist()
+            lps += lp.tolist()
+            ranks += r.tolist()
+        result[s.request_id] = (first_target, PositionLogprobs(ids, lps, ranks))
+    return result

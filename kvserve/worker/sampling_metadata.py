@@ -1,0 +1,115 @@
+"""Builds one step's SamplingMetadata from the scheduled requests' SamplingParams.
+
+Per-row features (penalties, masks, biases) are gathered only for the rows that use them, so a plain
+batch costs a few list comprehensions and the all-greedy batch almost nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.worker.sampler import Penalties, SamplingMetadata
+
+
+def _banned_tokens(params, output_ids: list[int], output_len: int) -> list[int]:
+    """Tokens this row may not sample now: stop tokens before min_tokens, and bad-word completions."""
+    banned: list[int] = []
+    if output_len < params.min_tokens:
+        banned.extend(params.all_stop_token_ids)
+    for word in params.bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len > output_len:
+            continue
+        # The word's last token is banned once its other tokens end the output so far.
+        if prefix_len == 0 or output_ids[output_len - prefix_len:output_len] == word[:-1]:
+            banned.append(word[-1])
+    return banned
+
+
+def _penalties(rows: list[int], params: list, scheduled: list, vocab: int, dev) -> Penalties:
+    out_rows, out_toks, prompt_rows, prompt_toks = [], [], [], []
+    use_repetition = any(p.repetition_penalty != 1 for p in params)
+    for j, s in enumerate(scheduled):
+        outs = s.output_token_ids[:s.output_len]
+        out_rows.extend([j] * len(outs))
+        out_toks.extend(outs)
+        if use_repetition:
+            prompt_rows.extend([j] * len(s.prompt_token_ids))
+            prompt_toks.extend(s.prompt_token_ids)
+    n = len(rows)
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+    if out_toks:
+        idx = torch.tensor([out_rows, out_toks], dtype=torch.int64, device=dev)
+        counts.index_put_((idx[0], idx[1]), torch.ones((), device=dev).expand(len(out_toks)), accumulate=True)
+    prompt_mask = None
+    if use_repetition:
+        prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+        idx = torch.tensor([prompt_rows, prompt_toks], dtype=torch.int64, device=dev)
+        prompt_mask[idx[0], idx[1]] = True
+    vals = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                        dtype=torch.float32, device=dev)
+    return Penalties(
+        rows=torch.tensor(rows, dtype=torch.int64, device=dev), presence=vals[:, 0], frequency=vals[:, 1],
+        repetition=vals[:, 2], output_counts=counts, prompt_mask=prompt_mask,
+    )
+
+
+def build_sampling_metadata(
+    scheduled: list, generators: dict[str, torch.Generator], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """`scheduled`: the ScheduledRequests that sample this step, in batch-row order."""
+    params = [s.sampling_params for s in scheduled]
+    dev = device
+    temps = [p.temperature for p in params]
+    all_greedy = all(p.is_greedy for p in params)
+
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    max_num_logprobs = None
+    if asked:
+        max_num_logprobs = vocab_size if -1 in asked else max(asked)
+
+    # Rows with logit edits. Cheap checks first: most batches have none.
+    disallowed = banned = bias = penalties = None
+    allowed_rows = [j for j, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed_rows:
+        mask = torch.ones(len(allowed_rows), vocab_size, dtype=torch.bool, device=dev)
+        r = [i for i, j in enumerate(allowed_rows) for _ in params[j].allowed_token_ids]
+        t = [tok for j in allowed_rows for tok in params[j].allowed_token_ids]
+        mask[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = False
+        disallowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), mask)
+    ban_rows, ban_toks = [], []
+    for j, (p, s) in enumerate(zip(params, scheduled)):
+        if (p.min_tokens and s.output_len < p.min_tokens) or p.bad_words_token_ids:
+            toks = _banned_tokens(p, s.output_token_ids, s.output_len)
+            ban_rows.extend([j] * len(toks))
+            ban_toks.extend(toks)
+    if ban_toks:
+        idx = torch.tensor([ban_rows, ban_toks], dtype=torch.int64, device=dev)
+        banned = (idx[0], idx[1])
+    bias_rows = [j for j, p in enumerate(params) if p.logit_bias]
+    if bias_rows:
+        items = [(j, tok, b) for j in bias_rows for tok, b in params[j].logit_bias.items()]
+        bias = (
+            torch.tensor([i[0] for i in items], dtype=torch.int64, device=dev),
+            torch.tensor([i[1] for i in items], dtype=torch.int64, device=dev),
+            torch.tensor([i[2] for i in items], dtype=torch.float32, device=dev),
+        )
+    pen_rows = [j for j, p in enumerate(params) if p.uses_penalties]
+    if pen_rows:
+        penalties = _penalties(pen_rows, [params[j] for j in pen_rows], [scheduled[j] for j in pen_rows], vocab_size, dev)
+
+    meta = SamplingMetadata(
+        temperature=None, top_k=None, top_p=None, min_p=None, generators={}, all_greedy=all_greedy,
+        max_num_logprobs=max_num_logprobs, disallowed=disallowed, banned=banned, logit_bias=bias, penalties=penalties,
+    )
+    if all_greedy:
+        return meta
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    meta.temperature = torch.tensor(temps, dtype=torch.float32, device=dev)
+    meta.top_k = torch.tensor(top_k, device=dev) if any(top_k) else None
+    meta.top_p = torch.tensor(top_p, dtype=torch.float32, device=dev) if any(p < 1 for p in top_p) else None
+    meta.min_p = torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None
+    meta.generators = {j: generators[s.request_id] for j, s in enumerate(scheduled) if s.request_id in generators}
+    return meta
