@@ -14,6 +14,7 @@ A table is printed last; full results go to DIR/gpu_w1.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -95,9 +96,11 @@ def parity(results: dict) -> bool:
     def run(**kw):
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n_new), use_tqdm=False)
-        del llm
+        tokens = [o.outputs[0].token_ids for o in outs]
+        del llm, outs
+        gc.collect()
         torch.cuda.empty_cache()
-        return [o.outputs[0].token_ids for o in outs]
+        return tokens
 
     triton_graphs = run(attention_backend="triton")
     triton_eager = run(attention_backend="triton", enforce_eager=True)

@@ -30,7 +30,7 @@ def test_core_imports_without_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
 

@@ -111,6 +111,7 @@ def test_cached_free_block_is_revived_by_hit():
     assert kv.pool.num_free_blocks == 8
     b = req("b", prompt)
     hits, n_hit, _ = admit(kv, b)
+    assert n_hit == 2 * BS
     assert [blk.block_id for blk in hits] == a_ids[:2]
     for i in a_ids[:2]:
         assert i not in kv.pool._free and kv.pool.blocks[i].ref_cnt == 1
@@ -328,3 +329,33 @@ def test_shared_prefix_between_three_requests_ref_counts():
         assert [kv.pool.blocks[i].ref_cnt for i in shared] == [2 - n] * 2
         kv.check_invariants()
     assert kv.pool.num_free_blocks == 16
+
+
+def test_hit_chain_stops_at_first_missing_block():
+    """A later block of a chain can outlive its head: A computes a duplicate of D's head (left
+    unpublished) and publishes its own second block on top of it; once D's head is evicted the
+    lookup must stop at the miss, not return A's second block as if it were at position 0."""
+    kv = KVCacheManager(8, BS)
+    X, Y, Z = [0, 1, 2, 3], [1, 1, 1, 1], [2, 2, 2, 2]
+    a = req("a", X + Z + [3])
+    assert kv.allocate_slots(a, 2) == [0]  # first chunk: block 0 still partial, unpublished
+    a.num_computed_tokens = 2
+    d = req("d", X + Y + [3])
+    assert admit(kv, d)[1] == 0  # no hit: a's head is not published yet
+    d_head = kv.req_to_blocks["d"][0]
+    assert a.block_hashes[0] == d.block_hashes[0] and kv.pool.lookup(d.block_hashes[0]) is d_head
+    kv.allocate_slots(a, a.num_tokens - 2)  # a's head duplicates d's (unpublished); a's block 1 is published
+    a.num_computed_tokens = a.num_tokens
+    a_head, a_second = kv.req_to_blocks["a"][:2]
+    assert a_head.block_hash is None and kv.pool.lookup(a.block_hashes[1]) is a_second
+    kv.free(d)
+    filler = req("f", [3] * (5 * BS))
+    admit(kv, filler)  # takes every free block, evicting all of d's
+    assert kv.pool.lookup(d.block_hashes[0]) is None
+    kv.free(filler)
+    kv.free(a)
+    assert kv.pool.lookup(a.block_hashes[1]) is a_second  # the orphaned second block is still cached
+    q = req("q", X + Z + [1])
+    hits, n_hit = kv.get_computed_blocks(q)
+    assert hits == [] and n_hit == 0
+    kv.check_invariants()

@@ -23,6 +23,10 @@ ALPHABET = 4  # tokens 0..3: prompts collide often, so prefix hits happen
 EOS = 3
 
 
+# n > 1 sibling sharing (Request.prefix_source_id), where this version of the core has it.
+HAS_SIBLINGS = "prefix_source_id" in Request.__dataclass_fields__
+
+
 @dataclass
 class Params:
     max_tokens: int
@@ -63,16 +67,21 @@ class Harness:
         self.physical: dict[int, list] = {}  # simulated KV: block id -> per-slot token (None = never written)
         self.runner_tables: dict[str, list[int]] = {}  # the runner's view of each block table
         self.last_out: SchedulerOutput | None = None
+        self.reported_finished: set[str] = set()
         self.num_steps = 0
         self.budget_steps = 100
         self._next_id = 0
         self.check()
 
     # ---- operations ------------------------------------------------------------------------------
-    def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool, use_eos: bool) -> Request | None:
+    def add(
+        self, prompt: list[int], max_tokens: int, ignore_eos: bool, use_eos: bool, prefix_source_id: str | None = None
+    ) -> Request | None:
         rid = f"r{self._next_id}"
         self._next_id += 1
         r = Request(rid, list(prompt), Params(max_tokens, ignore_eos), eos_token_id=EOS if use_eos else None)
+        if prefix_source_id is not None:
+            r.prefix_source_id = prefix_source_id
         c = self.cfg
         must_reject = (
             len(prompt) > c.max_model_len
@@ -102,11 +111,11 @@ class Harness:
 
     def step(self, abort_mid_step: str | None = None) -> SchedulerOutput:
         had_work = self.sched.has_unfinished_requests()
-        was_running = list(self.sched.running)
+        was_running, was_waiting = list(self.sched.running), list(self.sched.waiting)
         out = self.sched.schedule()
         self.last_out = out
         self.num_steps += 1
-        self._check_output(out, had_work, was_running)
+        self._check_output(out, had_work, was_running, was_waiting)
         self._run_model(out)
         sampled = {s.request_id: self.rng.randrange(ALPHABET) for s in out.scheduled if s.needs_sample}
         if abort_mid_step is not None and abort_mid_step in self.sched.requests:
@@ -193,8 +202,15 @@ class Harness:
         return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
 
     # ---- checks ----------------------------------------------------------------------------------
-    def _check_output(self, out: SchedulerOutput, had_work: bool, was_running: list[Request]) -> None:
+    def _check_output(
+        self, out: SchedulerOutput, had_work: bool, was_running: list[Request], was_waiting: list[Request]
+    ) -> None:
         c = self.cfg
+        # Every request finished since the previous step is reported to the runner exactly once.
+        newly_finished = {rid for rid, r in self.all.items() if r.is_finished} - self.reported_finished
+        assert len(out.finished_req_ids) == len(set(out.finished_req_ids))
+        assert set(out.finished_req_ids) == newly_finished
+        self.reported_finished |= newly_finished
         lens = [len(s.token_ids) for s in out.scheduled]
         assert all(n >= 1 for n in lens), lens
         assert sum(lens) == out.total_num_scheduled_tokens
@@ -212,9 +228,16 @@ class Harness:
             assert not any(flags)
         assert set(ids).isdisjoint(out.preempted_req_ids)
         # Preemption victims are the most recently admitted of the previously running requests.
+        # They go back to the front of the queue, oldest first, so they resume before newer arrivals.
         if out.preempted_req_ids:
             n = len(out.preempted_req_ids)
             assert out.preempted_req_ids == [r.request_id for r in was_running[::-1][:n]]
+            assert [r.request_id for r in self.sched.waiting] == out.preempted_req_ids[::-1] + [
+                r.request_id for r in was_waiting
+            ]
+        # Admission is first come, first served: the admitted ones are a prefix of the waiting queue.
+        admitted = [s.request_id for s in out.scheduled if s.is_new]
+        assert admitted == [r.request_id for r in was_waiting[: len(admitted)]]
         for s in out.scheduled:
             r = self.all[s.request_id]
             assert r.status == RequestStatus.RUNNING
@@ -229,8 +252,8 @@ class Harness:
             if not c.chunked:
                 # Without chunked prefill a prompt (or a resumed request) is computed in one go.
                 assert s.needs_sample
-            if s.is_new and not c.caching:
-                assert s.start_pos == 0
+            if s.is_new and not c.caching and getattr(r, "prefix_source_id", None) is None:
+                assert s.start_pos == 0  # nothing to reuse without the prefix cache or a sibling
             if s.is_new and c.caching:
                 assert s.start_pos % c.block_size == 0 and s.start_pos < r.num_tokens
 
@@ -301,6 +324,11 @@ def configs(draw):
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching)
 
 
+def tokens(min_size: int, max_size: int):
+    """Token lists over the small alphabet; drawn as bytes, which is much cheaper than a list of ints."""
+    return st.binary(min_size=min_size, max_size=max_size).map(lambda b: [x % ALPHABET for x in b])
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -320,7 +348,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         c = self.h.cfg
         # Lengths past every limit are drawn sometimes, so rejections are exercised.
         n = data.draw(st.integers(1, c.max_model_len + 3), label="prompt_len")
-        prompt = data.draw(st.lists(st.integers(0, ALPHABET - 1), min_size=n, max_size=n), label="prompt")
+        prompt = data.draw(tokens(n, n), label="prompt")
         self.h.add(prompt, max_tokens, ignore_eos, use_eos)
 
     @rule(data=st.data(), n=st.integers(2, 5))
@@ -328,10 +356,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Several requests at once, half of them sharing a prompt, so the cache fills and hits."""
         c = self.h.cfg
         length = data.draw(st.integers(1, c.max_model_len), label="burst_len")
-        shared = data.draw(st.lists(st.integers(0, ALPHABET - 1), min_size=length, max_size=length), label="shared")
+        shared = data.draw(tokens(length, length), label="shared")
         for i in range(n):
             prompt = shared if i % 2 == 0 else [(t + i) % ALPHABET for t in shared]
             self.h.add(prompt, data.draw(st.integers(1, 12), label="max_tokens"), data.draw(st.booleans()), True)
+
+    @precondition(lambda self: HAS_SIBLINGS)
+    @rule(data=st.data(), n=st.integers(2, 4))
+    def add_siblings(self, data, n):
+        """n > 1 samples of one prompt, as the engine fans them out: the later ones share the first
+        one's prompt blocks by reference (caching on or off) once it has computed them."""
+        c = self.h.cfg
+        length = data.draw(st.integers(1, c.max_model_len), label="sibling_len")
+        prompt = data.draw(tokens(length, length), label="sibling_prompt")
+        first = self.h.add(prompt, data.draw(st.integers(1, 12), label="max_tokens"), True, True)
+        if first is not None:
+            for _ in range(n - 1):
+                self.h.add(prompt, data.draw(st.integers(1, 12), label="max_tokens"), data.draw(st.booleans()), True,
+                           prefix_source_id=first.request_id)
 
     @precondition(lambda self: self.h is not None and self.h.all)
     @rule(data=st.data())
@@ -341,7 +383,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         src = data.draw(st.sampled_from(sorted(self.h.all)), label="src")
         base = self.h.all[src].all_token_ids
         k = data.draw(st.integers(1, len(base)), label="prefix_len")
-        extra = data.draw(st.lists(st.integers(0, ALPHABET - 1), max_size=c.block_size + 1), label="suffix")
+        extra = data.draw(tokens(0, c.block_size + 1), label="suffix")
         prompt = (base[:k] + extra)[: c.max_model_len] or [0]
         self.h.add(prompt, data.draw(st.integers(1, 8), label="max_tokens"), True, False)
 
@@ -396,7 +438,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=300,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -532,3 +574,51 @@ def test_abort_waiting_and_running():
     # Unknown and already finished ids are ignored.
     h.sched.finish_requests(["nope", a.request_id], RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED
+
+
+def test_check_fits_rejections():
+    kv = KVCacheManager(4, 4)  # 16 tokens of KV cache
+    # A config the engine would refuse (budget < max_model_len without chunking), but the core
+    # still has to reject prompts that could never be scheduled rather than let them wait forever.
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=20,
+                                      enable_chunked_prefill=False), kv)
+    for n, ok in [(8, True), (9, False), (21, False)]:
+        r = Request(f"n{n}", [0] * n, Params(1))
+        if ok:
+            sched.add_request(r)
+        else:
+            with pytest.raises(ValueError):
+                sched.add_request(r)
+        assert (r.request_id in sched.requests) == ok and (r in sched.waiting) == ok
+    chunked = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=20),
+                        KVCacheManager(4, 4))
+    chunked.add_request(Request("a", [0] * 16, Params(1)))  # longer than the budget: chunked
+    with pytest.raises(ValueError, match="KV cache"):
+        chunked.add_request(Request("b", [0] * 17, Params(1)))  # fits max_model_len, not the cache
+    assert "b" not in chunked.requests
+    with pytest.raises(ValueError, match="already in use"):
+        chunked.add_request(Request("a", [0], Params(1)))
+
+
+def test_request_id_reusable_after_finish():
+    cfg = Cfg(num_blocks=8, block_size=2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=8,
+              chunked=True, caching=True)
+    h = Harness(cfg)
+    sched = h.sched
+    old = Request("x", [0, 1, 2], Params(4))
+    sched.add_request(old)
+    out = sched.schedule()
+    sched.update(out, {"x": 1})
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    new = Request("x", [0, 1, 2, 3, 0], Params(1))
+    sched.add_request(new)  # the id is free again once the old request finished
+    out = sched.schedule()
+    # The runner hears about the old "x" finishing before it sees the new "x" as a new request.
+    assert out.finished_req_ids == ["x"]
+    (s,) = out.scheduled
+    assert s.is_new and s.request_id == "x" and s.start_pos == 2  # one cached block of the old "x"
+    assert s.token_ids == [2, 3, 0]
+    sched.update(out, {"x": 0})
+    assert new.is_finished and old.num_output_tokens == 1 and new.num_output_tokens == 1
+    h.kv.check_invariants()
+    assert h.kv.pool.num_free_blocks == cfg.num_blocks

@@ -46,6 +46,7 @@ class LLMEngine:
         on_gpu = config.device == "cuda"
         if on_gpu:
             free_at_start, total = torch.cuda.mem_get_info()
+            allocated_at_start, reserved_at_start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             memory.check_weights_fit(config, free_at_start, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
@@ -57,7 +58,9 @@ class LLMEngine:
         elif args.kv_cache_memory_bytes is not None or not on_gpu:
             kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
         else:
-            kv_bytes = memory.kv_cache_bytes_gpu(config, self.runner, free_at_start, total)
+            kv_bytes = memory.kv_cache_bytes_gpu(
+                config, self.runner, free_at_start, total, allocated_at_start, reserved_at_start
+            )
         num_blocks = memory.num_blocks_from_bytes(kv_bytes, bytes_per_block)
         memory.check_max_model_len_fits(config, num_blocks, bytes_per_block, kv_bytes)
         memory.log_kv_cache(config, num_blocks, kv_bytes)

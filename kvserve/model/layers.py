@@ -4,10 +4,19 @@ quantized or tensor-parallel variants can replace them without touching the mode
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Fused Triton kernels run on CUDA, and on the CPU under Triton's interpreter (how CI tests them).
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda or _TRITON_INTERPRET
 
 
 class LinearBase(nn.Module):
@@ -83,6 +92,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm pattern."""
+        if use_fused_kernels(x):
+            from kvserve.ops.fused_kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -130,7 +143,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated."""
+        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path)."""
+        if use_fused_kernels(q) and q.shape[-1] % 2 == 0:
+            from kvserve.ops.fused_kernels import apply_rotary_
+
+            return apply_rotary_(positions, q, k, self.cos_cached, self.sin_cached)
         cos = self.cos_cached[positions].unsqueeze(1)
         sin = self.sin_cached[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -20,6 +20,7 @@ from kvserve.model.layers import (
     RowParallelLinear,
     ColumnParallelLinear,
     VocabEmbedding,
+    use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
 from kvserve.ops.attention_backend import AttentionBackend
@@ -66,7 +67,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused_kernels(gate_up):
+            from kvserve.ops.fused_kernels import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -20,6 +20,9 @@ class AttentionMetadata:
     max_seq_len: int
     num_actual_tokens: int  # T without CUDA-graph padding
     block_size: int
+    # Split-KV decode: how many pieces each context is cut into (None: the backend decides). The runner
+    # sets it for decode steps so a CUDA graph and an eager step of the same batch compute identically.
+    num_kv_splits: int | None = None
     # Host copies for backends that loop on the CPU side (the torch reference).
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None

@@ -1,23 +1,25 @@
 """Paged attention in Triton: the GPU backend (``--attention-backend triton``).
 
-Three kernels, all launched without host syncs (grids are sized from python ints only):
+Kernels, all launched without host syncs (grids are sized from python ints only, so a forward can be
+captured in a CUDA graph):
 
 * ``_reshape_and_cache_kernel``: one program per token of ``slot_mapping`` copies that token's K and V
   (all kv heads) into the paged cache; negative slots (CUDA-graph padding) are skipped.
-* ``_unified_attention_kernel``: mixed batches (prefill chunks with cached context, decodes).
-  Grid ``(num_q_tiles, Hkv)``. A q tile is BLOCK_Q consecutive query tokens of one request; the M
-  dimension of ``tl.dot`` packs those tokens times the GQA group of query heads sharing the program's kv
-  head (row m = token m // G, head kvh * G + m % G). Request i owns tiles
-  ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``; that start index is strictly increasing in
-  i, so a program finds its request by binary search over ``query_start_loc``, and the total is at most
+* ``_unified_attention_kernel``: mixed batches (prefill chunks with cached context, decodes). One
+  program per (q tile, kv head), on a 1-D grid of ``num_q_tiles * Hkv`` with the kv head fastest and the
+  tiles in reverse order. A q tile is BLOCK_Q consecutive query tokens of one request; the M dimension
+  of ``tl.dot`` packs those tokens times the GQA group of query heads sharing the program's kv head
+  (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i owns tiles
+  ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``; that start index is strictly increasing
+  in i, so a program finds its request by binary search over ``query_start_loc``, and there are at most
   ``T // BLOCK_Q + B`` tiles (surplus tiles return at once). Each program walks the request's keys in
-  tiles of TILE_N up to the causal limit of its last query, gathering K/V through the block table key by
-  key (so TILE_N is independent of the cache's block size), with a flash-attention online softmax (fp32,
-  exp2).
+  steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without
+  masks, then the masked rest), gathering K/V through the block table key by key (so TILE_N does not
+  depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2).
 * ``_decode_kernel`` + ``_combine_splits_kernel``: split-KV (flash-decoding) for decode-only batches with
-  few requests: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous range of the context
-  and writes a partial output with its running max and sum, and the combine kernel (grid ``(B, H)``)
-  merges them.
+  few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
+  range of the context (the same inner loop) and writes its partial output, running max and sum; the
+  combine kernel (grid ``(B, H)``) merges them. ``TritonAttentionBackend.choose_num_splits`` decides.
 """
 
 from __future__ import annotations
@@ -62,23 +64,39 @@ def _attend_keys(
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, key_end, qk_scale,
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
-    [key_start, key_end) of one request, masked causally by query_pos ([BLOCK_M]). Scores are in the
+    [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
+    ([BLOCK_M]); else the caller guarantees whole TILE_N tiles that every row may see. Scores are in the
     log2 domain (qk_scale includes log2(e)); m_i stays -inf for rows that saw no key."""
     d = tl.arange(0, HEAD_DIM_P)
-    d_ok = d < HEAD_DIM
     n = tl.arange(0, TILE_N)
     for start in range(key_start, key_end, TILE_N):
         kpos = start + n
-        k_ok = kpos < key_end
-        phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        if MASKED:
+            k_ok = kpos < key_end
+        else:
+            k_ok = kpos >= 0  # all true
+        if HEAD_DIM_P == HEAD_DIM:
+            kv_mask = k_ok[:, None]
+        else:
+            kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
+        if MASKED:
+            phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE).to(tl.int64)
         base = phys * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-        s = tl.where(k_ok[None, :] & (kpos[None, :] <= query_pos[:, None]), s, float("-inf"))
+        kv_off = base[:, None] + d[None, :]  # [TILE_N, HEAD_DIM_P], contiguous along d
+        if MASKED or HEAD_DIM_P != HEAD_DIM:
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_off)
+            v = tl.load(v_cache_ptr + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            s = tl.where(k_ok[None, :] & (kpos[None, :] <= query_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
         p = tl.exp2(s - m_use[:, None])
@@ -95,11 +113,15 @@ def _unified_attention_kernel(
     num_reqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
+    # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
+    pid = tl.program_id(0)
+    kvh = pid % NUM_KV_HEADS
+    tile = tl.num_programs(0) // NUM_KV_HEADS - 1 - pid // NUM_KV_HEADS
 
     # The request of this tile: the last i with qsl[i] // BLOCK_Q + i <= tile (binary search).
     lo = num_reqs * 0
@@ -134,13 +156,18 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # Keys up to the causal limit of the tile's last query.
+    # Keys up to the causal limit of the tile's last query; those before the tile's first query are seen
+    # by every row of the tile, so whole TILE_N tiles of them go without masks.
     key_end = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
+    full_end = (ctx_len + q_first) // TILE_N * TILE_N
+    bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, query_pos,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, kvh, 0, key_end, qk_scale,
-        stride_cb, stride_cs, stride_ch,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, 0, full_end, qk_scale,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False,
+    )
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -186,11 +213,16 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Whole tiles without masks, then the last partial tile (the query sees the whole context).
+    full_end = tl.maximum(key_start, key_start + (key_end - key_start) // TILE_N * TILE_N)
+    bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, query_pos,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, kvh, key_start, key_end,
-        qk_scale, stride_cb, stride_cs, stride_ch,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, full_end, qk_scale,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False,
+    )
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
@@ -267,10 +299,11 @@ class TritonAttentionBackend:
     batches, False never uses it. ``num_splits`` overrides the number of splits when the path is taken.
     ``num_sms`` defaults to the current CUDA device's (132 on an H200; 132 where there is no GPU)."""
 
-    # Tile sizes (keys per inner-loop step, rows of the M dimension).
-    PREFILL_BLOCK_M = 64
-    DECODE_BLOCK_M = 16
-    TILE_N = 32
+    # Launch configurations: (BLOCK_M rows, TILE_N keys per inner step, num_warps, num_stages).
+    # BLOCK_M is raised to the GQA group size where that is larger.
+    PREFILL_CONFIG = (64, 32, 4, 2)  # unified kernel, batches with a query longer than 1
+    DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
+    SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
     # Split-KV: each split gets at least this many keys, and at most this many splits.
     MIN_KEYS_PER_SPLIT = 256
     MAX_SPLITS = 32
@@ -298,7 +331,7 @@ class TritonAttentionBackend:
         if self.forced_num_splits is not None:
             return max(1, self.forced_num_splits)
         work = num_reqs * num_kv_heads
-        by_len = _cdiv(max_seq_len, self.MIN_KEYS_PER_SPLIT)
+        by_len = max_seq_len // self.MIN_KEYS_PER_SPLIT
         if self.split_kv is None and (work * 2 > self.num_sms or by_len < 2):
             return 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
@@ -323,12 +356,15 @@ class TritonAttentionBackend:
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
         qk_scale = scale * _LOG2E
         block_tables = meta.block_tables
-        common = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, DOT_PREC=dot_prec)
+        common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec}
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
 
-        num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
+        num_splits = meta.num_kv_splits
+        if num_splits is None or meta.max_query_len != 1:
+            num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
         if num_splits > 1:
-            block_m = max(16, _next_pow2(g))
+            block_m, tile_n, warps, stages = self.SPLIT_CONFIG
+            block_m = max(block_m, _next_pow2(g))
             part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
                                    device=q.device)
             part_m = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -338,7 +374,7 @@ class TritonAttentionBackend:
                 q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, qk_scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
                 NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
-                TILE_N=self.TILE_N, num_warps=4, **common,
+                TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
             )
             _combine_splits_kernel[(num_reqs, num_heads)](
                 out, part_out, part_m, part_l, meta.query_start_loc, out.stride(0), out.stride(1),
@@ -347,14 +383,16 @@ class TritonAttentionBackend:
             )
             return out
 
-        block_m = self.DECODE_BLOCK_M if meta.max_query_len == 1 else self.PREFILL_BLOCK_M
+        cfg = self.DECODE_CONFIG if meta.max_query_len == 1 else self.PREFILL_CONFIG
+        block_m, tile_n, warps, stages = cfg
         block_m = max(block_m, _next_pow2(g))
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
-        _unified_attention_kernel[(num_tiles, num_kv_heads)](
+        _unified_attention_kernel[(num_tiles * num_kv_heads,)](
             out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc,
             num_reqs, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-            NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=self.TILE_N, num_warps=4, **common,
+            NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+            num_warps=warps, num_stages=stages, **common,
         )
         return out

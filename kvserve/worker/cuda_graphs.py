@@ -28,12 +28,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, block_size: int, max_blocks_per_seq: int, max_model_len: int,
-                 sizes: list[int], device: torch.device, hidden_size: int, dtype: torch.dtype):
+                 sizes: list[int], device: torch.device, num_kv_splits):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = sorted(sizes)
+        self.num_kv_splits = num_kv_splits  # padded batch size -> splits, shared with eager decode steps
         self.max_size = self.sizes[-1]
         n = self.max_size
         i32 = dict(dtype=torch.int32, device=device)
@@ -58,6 +59,7 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             num_actual_tokens=bs,
             block_size=self.block_size,
+            num_kv_splits=self.num_kv_splits(bs),
         )
 
     def _forward(self, bs: int) -> torch.Tensor:

@@ -68,21 +68,25 @@ def check_weights_fit(config: EngineConfig, free_bytes: int, total_bytes: int, d
         )
 
 
-def kv_cache_bytes_gpu(config: EngineConfig, runner, free_at_start: int, total: int) -> int:
+def kv_cache_bytes_gpu(
+    config: EngineConfig, runner, free_at_start: int, total: int, allocated_at_start: int, reserved_at_start: int
+) -> int:
     """vLLM's rule: total x gpu_memory_utilization, minus what others held at start, the weights,
     the activation peak of the largest step, memory outside torch's allocator and the graph pool."""
     import torch
 
     args = config.args
     torch.cuda.synchronize()
-    weights = torch.cuda.memory_allocated()
+    # Differences, not absolutes: other engines in this process count as "others", not as ours.
+    allocated_after_load = torch.cuda.memory_allocated()
+    weights = allocated_after_load - allocated_at_start
     torch.cuda.reset_peak_memory_stats()
     runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
-    peak_activation = torch.cuda.max_memory_allocated() - weights
+    peak_activation = torch.cuda.max_memory_allocated() - allocated_after_load
     torch.cuda.empty_cache()
     free_now, _ = torch.cuda.mem_get_info()
     others = total - free_at_start
-    non_torch = max(0, (total - free_now) - torch.cuda.memory_reserved() - others)
+    non_torch = max(0, (free_at_start - free_now) - (torch.cuda.memory_reserved() - reserved_at_start))
     graph_reserve = 0
     if not args.enforce_eager:
         # Decode graphs hold activations for up to max_num_seqs tokens; a margin for the pool's slack.

@@ -21,23 +21,47 @@ logger = logging.getLogger(__name__)
 
 
 class StepInputs:
-    """One step's integer inputs, built on the host with numpy and sent in ONE host-to-device copy."""
+    """One step's integer inputs, built on the host with numpy and sent in ONE host-to-device copy
+    through a persistent pinned staging buffer (pinning fresh memory each step costs milliseconds)."""
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices", "block_tables")
 
-    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
+    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device, staging: "StagingBuffer | None" = None):
         flat = [arrays[f].reshape(-1) for f in self.FIELDS]
         sizes = [a.size for a in flat]
-        host = torch.from_numpy(np.concatenate(flat).astype(np.int32, copy=False))
-        if device.type == "cuda":
-            host = host.pin_memory()
+        total = sum(sizes)
+        if staging is not None:
+            host = staging.take(total)
+            np.concatenate(flat, out=host.numpy(), casting="unsafe")
+        else:
+            host = torch.from_numpy(np.concatenate(flat).astype(np.int32, copy=False))
         dev = host.to(device, non_blocking=True)
+        if staging is not None:
+            staging.copy_issued()
         offset = 0
         for field_name, size in zip(self.FIELDS, sizes):
             setattr(self, field_name, dev[offset:offset + size])
             setattr(self, field_name + "_cpu", host[offset:offset + size])
             offset += size
         self.block_tables = self.block_tables.view(arrays["block_tables"].shape)
+
+
+class StagingBuffer:
+    """Pinned host memory reused every step. Before it is overwritten we wait for the previous copy out
+    of it (usually long done: most steps end with a host sync on the sampled tokens)."""
+
+    def __init__(self, size: int):
+        self.buffer = torch.empty(size, dtype=torch.int32).pin_memory()
+        self.copied = torch.cuda.Event()
+
+    def copy_issued(self) -> None:
+        self.copied.record()
+
+    def take(self, n: int) -> torch.Tensor:
+        self.copied.synchronize()
+        if n > self.buffer.numel():
+            self.buffer = torch.empty(2 * n, dtype=torch.int32).pin_memory()
+        return self.buffer[:n]
 
 
 class BlockTables:
@@ -98,7 +122,9 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
         self.graph_runner: CudaGraphRunner | None = None
+        self.graph_sizes = capture_sizes(config.args.max_num_seqs)
         # Per-request state that outlives a step.
         max_blocks = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(config.args.max_num_seqs, max_blocks)
@@ -119,6 +145,15 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
+    def decode_num_kv_splits(self, num_reqs: int) -> int | None:
+        """Split-KV count for a decode step, from the padded batch size and max_model_len only, so graph
+        replays and eager steps of the same requests reduce in the same order (identical tokens)."""
+        choose = getattr(self.backend, "choose_num_splits", None)
+        if choose is None:
+            return None
+        padded = next((s for s in self.graph_sizes if s >= num_reqs), num_reqs)
+        return choose(padded, self.model_config.num_key_value_heads, 1, self.max_model_len)
+
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.args.enforce_eager:
             return
@@ -127,8 +162,7 @@ class ModelRunner:
             return
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
-            self.max_model_len, capture_sizes(max_num_seqs), self.device,
-            self.model_config.hidden_size, self.dtype,
+            self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
         )
         self.graph_runner.capture()
 
@@ -196,6 +230,7 @@ class ModelRunner:
                 seq_lens=seq_lens, logits_indices=qsl[1:][logits_rows] - 1, block_tables=tables,
             ),
             self.device,
+            self.staging,
         )
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
@@ -237,6 +272,8 @@ class ModelRunner:
             hidden = graphs.run(num_reqs, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                 inputs.seq_lens, inputs.block_tables)
         else:
+            if meta.max_query_len == 1:
+                meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         result = RunnerOutput()
         if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):

@@ -1,0 +1,123 @@
+"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary, SiLU*mul.
+
+Unfused, these are ~40 tiny kernels per layer; at batch 1 their launch gaps cost more than the
+weight reads. Each kernel rounds its intermediates to the activation dtype where HF's eager code
+does, so bf16 results match HF transformers' rounding step for step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # HF adds in the activation dtype
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Same contract as layers.RMSNorm.forward: with a residual returns (norm(x + r), x + r)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n_rows, n_cols = x2.shape
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, n_cols) if residual is not None else x2
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2, r2, weight, out, res_out, n_cols, eps,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+            num_warps=4 if n_cols <= 2048 else 8,
+        )
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_cs, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF_P)
+    d_ok = d < HALF
+    cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    h = tl.arange(0, HEADS_P)
+    # q heads
+    mq = (h[:, None] < NUM_Q_HEADS) & d_ok[None, :]
+    base = q_ptr + tok * stride_qt + h[:, None] * stride_qh + d[None, :]
+    x1 = tl.load(base, mask=mq, other=0.0)
+    x2 = tl.load(base + HALF, mask=mq, other=0.0)
+    dt = x1.dtype
+    c = cos.to(dt).to(tl.float32)[None, :]
+    s = sin.to(dt).to(tl.float32)[None, :]
+    # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype.
+    o1 = ((x1.to(tl.float32) * c).to(dt).to(tl.float32) - (x2.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2.to(tl.float32) * c).to(dt).to(tl.float32) + (x1.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, o1, mask=mq)
+    tl.store(base + HALF, o2, mask=mq)
+    mk = (h[:, None] < NUM_K_HEADS) & d_ok[None, :]
+    base = k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :]
+    x1 = tl.load(base, mask=mk, other=0.0)
+    x2 = tl.load(base + HALF, mask=mk, other=0.0)
+    o1 = ((x1.to(tl.float32) * c).to(dt).to(tl.float32) - (x2.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2.to(tl.float32) * c).to(dt).to(tl.float32) + (x1.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, o1, mask=mk)
+    tl.store(base + HALF, o2, mask=mk)
+
+
+def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """In place on q [T, H, D] and k [T, Hkv, D] (views into the qkv output); cos/sin [max_pos, D/2] fp32."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    half = head_dim // 2
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            HEADS_P=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4,
+        )
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # HF: silu rounded, then the product rounded
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    n_rows, two_i = x.shape
+    n_cols = two_i // 2
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    block = 1024
+    if n_rows:
+        _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
