@@ -37,13 +37,21 @@ class CudaGraphRunner:
         self.num_kv_splits = num_kv_splits  # padded batch size -> splits, shared with eager decode steps
         self.max_size = self.sizes[-1]
         n = self.max_size
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, **i32)
-        self.positions = torch.zeros(n, **i32)
-        self.slot_mapping = torch.full((n,), -1, **i32)
-        self.seq_lens = torch.ones(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
+        self.max_blocks = max_blocks_per_seq
+        # All graph inputs live in ONE int32 device buffer with fixed regions, so a step's inputs arrive
+        # in a single host-to-device copy: [ids | positions | slots | seq_lens | block tables (n x MB)].
+        self.static = torch.zeros(4 * n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_ids = self.static[0:n]
+        self.positions = self.static[n:2 * n]
+        self.slot_mapping = self.static[2 * n:3 * n]
+        self.seq_lens = self.static[3 * n:4 * n]
+        self.block_tables = self.static[4 * n:].view(n, max_blocks_per_seq)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.host = torch.zeros_like(self.static, device="cpu").pin_memory()
+        self.host_np = self.host.numpy()
+        self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -94,17 +102,25 @@ class CudaGraphRunner:
         return None
 
     def run(self, num_reqs: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Fill the static buffers (device-to-device) and replay; returns hidden states [num_reqs, H]."""
+        """Numpy inputs of a decode step -> pinned staging -> one copy -> replay; returns hidden [num_reqs, H]."""
         bs = self.padded_size(num_reqs)
-        self.input_ids[:num_reqs].copy_(input_ids)
-        self.positions[:num_reqs].copy_(positions)
-        self.slot_mapping[:num_reqs].copy_(slot_mapping)
-        self.seq_lens[:num_reqs].copy_(seq_lens)
-        nb = block_tables.shape[1]
-        self.block_tables[:num_reqs, :nb].copy_(block_tables)
-        if bs > num_reqs:
-            # Padding rows: write nowhere, attend to one slot of block 0, results dropped.
-            self.slot_mapping[num_reqs:bs].fill_(-1)
-            self.seq_lens[num_reqs:bs].fill_(1)
+        n, mb = self.max_size, self.max_blocks
+        self.copied.synchronize()  # the previous step's copy out of the staging buffer is done
+        h = self.host_np
+        h[0:num_reqs] = input_ids
+        h[num_reqs:bs] = 0
+        h[n:n + num_reqs] = positions
+        h[n + num_reqs:n + bs] = 0
+        # Padding rows write nowhere and attend to one slot of block 0; their results are dropped.
+        h[2 * n:2 * n + num_reqs] = slot_mapping
+        h[2 * n + num_reqs:2 * n + bs] = -1
+        h[3 * n:3 * n + num_reqs] = seq_lens
+        h[3 * n + num_reqs:3 * n + bs] = 1
+        tables = h[4 * n:4 * n + bs * mb].reshape(bs, mb)
+        tables[:num_reqs, :block_tables.shape[1]] = block_tables
+        tables[num_reqs:bs, 0] = 0
+        used = 4 * n + bs * mb
+        self.static[:used].copy_(self.host[:used], non_blocking=True)
+        self.copied.record()
         self.graphs[bs].replay()
         return self.outputs[bs][:num_reqs]

@@ -182,7 +182,7 @@ class ModelRunner:
             starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
         )
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices.long()]).float()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
         meta_s = SamplingMetadata(
             temperature=torch.ones(num_seqs, device=self.device),
@@ -214,16 +214,22 @@ class ModelRunner:
             if seed is not None and s.request_id not in self.generators:
                 self.generators[s.request_id] = torch.Generator(device=self.device).manual_seed(seed)
 
-    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows) -> tuple[StepInputs, AttentionMetadata]:
+    def _positions_and_slots(self, q_lens, starts, tables):
         num_reqs = len(q_lens)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
         req_idx = np.repeat(np.arange(num_reqs), q_lens)
         positions = np.arange(num_tokens) - qsl[req_idx] + starts[req_idx]
-        seq_lens = starts + q_lens
         bs = self.block_size
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+        return qsl, positions, slot_mapping
+
+    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows) -> tuple[StepInputs, AttentionMetadata]:
+        qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+        num_tokens = int(qsl[-1])
+        seq_lens = starts + q_lens
+        bs = self.block_size
         inputs = StepInputs(
             dict(
                 input_ids=token_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=qsl,
@@ -246,7 +252,7 @@ class ModelRunner:
         )
         return inputs, meta
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    def _host_arrays(self, out: SchedulerOutput):
         sched = out.scheduled
         num_reqs = len(sched)
         q_lens = np.fromiter((len(s.token_ids) for s in sched), dtype=np.int64, count=num_reqs)
@@ -254,8 +260,26 @@ class ModelRunner:
         token_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
         tables = self.block_tables.gather([s.request_id for s in sched])
         logits_rows = [i for i, s in enumerate(sched) if s.needs_sample]
+        return token_ids, q_lens, starts, tables, logits_rows
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        token_ids, q_lens, starts, tables, logits_rows = self._host_arrays(out)
         inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows)
         return inputs, meta, logits_rows
+
+    def _run_decode_graph(self, out: SchedulerOutput):
+        """Decode-only steps that fit a captured graph: hidden states of every row (each samples),
+        or None when the step must run eagerly."""
+        graphs = self.graph_runner
+        num_reqs = len(out.scheduled)
+        if graphs is None or graphs.padded_size(num_reqs) is None:
+            return None
+        if any(len(s.token_ids) != 1 or getattr(s.sampling_params, "prompt_logprobs", None) is not None
+               for s in out.scheduled):
+            return None
+        token_ids, q_lens, starts, tables, _ = self._host_arrays(out)
+        _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+        return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables)
 
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
@@ -265,16 +289,17 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return RunnerOutput()
-        inputs, meta, rows = self.prepare_inputs(out)
         num_reqs = len(out.scheduled)
-        graphs = self.graph_runner
-        if graphs is not None and meta.max_query_len == 1 and graphs.padded_size(num_reqs) is not None:
-            hidden = graphs.run(num_reqs, inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                inputs.seq_lens, inputs.block_tables)
+        hidden = self._run_decode_graph(out)
+        if hidden is not None:
+            rows = list(range(num_reqs))
+            logits_input = hidden  # decode: one token per request, every one samples
         else:
+            inputs, meta, rows = self.prepare_inputs(out)
             if meta.max_query_len == 1:
                 meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            logits_input = hidden[inputs.logits_indices] if rows else None
         result = RunnerOutput()
         if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
             result.prompt_logprobs = compute_prompt_logprobs(
@@ -282,7 +307,7 @@ class ModelRunner:
                 self.model_config.vocab_size)
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden[inputs.logits_indices.long()]).float()
+        logits = self.model.compute_logits(logits_input).float()
         sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
         tokens = sampler_out.sampled.tolist()  # the step's one host sync
         rids = [out.scheduled[i].request_id for i in rows]

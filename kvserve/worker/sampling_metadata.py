@@ -10,6 +10,8 @@ import torch
 
 from kvserve.worker.sampler import Penalties, SamplingMetadata
 
+_SAMPLING_EPS = 1e-5  # below this temperature a request is greedy (as SamplingParams.is_greedy)
+
 
 def _banned_tokens(params, output_ids: list[int], output_len: int) -> list[int]:
     """Tokens this row may not sample now: stop tokens before min_tokens, and bad-word completions."""
@@ -54,60 +56,69 @@ def _penalties(rows: list[int], params: list, scheduled: list, vocab: int, dev) 
     )
 
 
-def build_sampling_metadata(
-    scheduled: list, generators: dict[str, torch.Generator], vocab_size: int, device: torch.device
-) -> SamplingMetadata:
-    """`scheduled`: the ScheduledRequests that sample this step, in batch-row order."""
-    params = [s.sampling_params for s in scheduled]
-    dev = device
-    temps = [p.temperature for p in params]
-    all_greedy = all(p.is_greedy for p in params)
-
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-    max_num_logprobs = None
-    if asked:
-        max_num_logprobs = vocab_size if -1 in asked else max(asked)
-
-    # Rows with logit edits. Cheap checks first: most batches have none.
-    disallowed = banned = bias = penalties = None
+def _logit_edits(scheduled: list, params: list, vocab_size: int, dev) -> dict:
+    edits = {}
     allowed_rows = [j for j, p in enumerate(params) if p.allowed_token_ids is not None]
     if allowed_rows:
         mask = torch.ones(len(allowed_rows), vocab_size, dtype=torch.bool, device=dev)
         r = [i for i, j in enumerate(allowed_rows) for _ in params[j].allowed_token_ids]
         t = [tok for j in allowed_rows for tok in params[j].allowed_token_ids]
         mask[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = False
-        disallowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), mask)
+        edits["disallowed"] = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), mask)
     ban_rows, ban_toks = [], []
     for j, (p, s) in enumerate(zip(params, scheduled)):
-        if (p.min_tokens and s.output_len < p.min_tokens) or p.bad_words_token_ids:
+        if (p.min_tokens and s.output_len < p.min_tokens) or p.bad_words:
             toks = _banned_tokens(p, s.output_token_ids, s.output_len)
             ban_rows.extend([j] * len(toks))
             ban_toks.extend(toks)
     if ban_toks:
         idx = torch.tensor([ban_rows, ban_toks], dtype=torch.int64, device=dev)
-        banned = (idx[0], idx[1])
+        edits["banned"] = (idx[0], idx[1])
     bias_rows = [j for j, p in enumerate(params) if p.logit_bias]
     if bias_rows:
         items = [(j, tok, b) for j in bias_rows for tok, b in params[j].logit_bias.items()]
-        bias = (
+        edits["logit_bias"] = (
             torch.tensor([i[0] for i in items], dtype=torch.int64, device=dev),
             torch.tensor([i[1] for i in items], dtype=torch.int64, device=dev),
             torch.tensor([i[2] for i in items], dtype=torch.float32, device=dev),
         )
     pen_rows = [j for j, p in enumerate(params) if p.uses_penalties]
     if pen_rows:
-        penalties = _penalties(pen_rows, [params[j] for j in pen_rows], [scheduled[j] for j in pen_rows], vocab_size, dev)
+        edits["penalties"] = _penalties(
+            pen_rows, [params[j] for j in pen_rows], [scheduled[j] for j in pen_rows], vocab_size, dev)
+    return edits
 
+
+def build_sampling_metadata(
+    scheduled: list, generators: dict[str, torch.Generator], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """`scheduled`: the ScheduledRequests that sample this step, in batch-row order."""
+    params = [s.sampling_params for s in scheduled]
+    dev = device
+    # One cheap pass over plain attributes decides which of the costlier builders run at all.
+    all_greedy, asked, any_edits = True, [], False
+    for p in params:
+        if p.temperature >= _SAMPLING_EPS:
+            all_greedy = False
+        if p.logprobs is not None:
+            asked.append(p.logprobs)
+        if (p.min_tokens or p.bad_words or p.logit_bias or p.allowed_token_ids is not None
+                or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
+            any_edits = True
+    max_num_logprobs = None
+    if asked:
+        max_num_logprobs = vocab_size if -1 in asked else max(asked)
     meta = SamplingMetadata(
         temperature=None, top_k=None, top_p=None, min_p=None, generators={}, all_greedy=all_greedy,
-        max_num_logprobs=max_num_logprobs, disallowed=disallowed, banned=banned, logit_bias=bias, penalties=penalties,
+        max_num_logprobs=max_num_logprobs,
+        **(_logit_edits(scheduled, params, vocab_size, dev) if any_edits else {}),
     )
     if all_greedy:
         return meta
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
-    meta.temperature = torch.tensor(temps, dtype=torch.float32, device=dev)
+    meta.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     meta.top_k = torch.tensor(top_k, device=dev) if any(top_k) else None
     meta.top_p = torch.tensor(top_p, dtype=torch.float32, device=dev) if any(p < 1 for p in top_p) else None
     meta.min_p = torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None
