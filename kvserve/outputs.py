@@ -6,12 +6,27 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model's raw distribution, and its rank there (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob (the chosen token first, then the top alternatives).
+SampleLogprobs = list[dict[int, Logprob]]
+# As above, with None for the first prompt token (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # None unless logprobs were requested
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
 
@@ -36,4 +51,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)

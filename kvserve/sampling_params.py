@@ -1,15 +1,32 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's field names)."""
+"""SamplingParams: how one request's tokens are chosen, when it stops and what comes back (vLLM's fields)."""
 
 from __future__ import annotations
 
+import copy
+import enum
+import logging
+import math
 from dataclasses import dataclass, field
 
-_GREEDY_EPS = 1e-5
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5
+# Below this, softmax(logits / t) overflows to inf/nan in half precision; vLLM raises it to this.
+_MIN_RANDOM_TEMPERATURE = 1e-2
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -17,11 +34,19 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top alternatives per generated token; -1: the whole vocabulary
+    prompt_logprobs: int | None = None
     detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -29,33 +54,131 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:
+            self.seed = None
+        if self.logit_bias is not None:
+            # JSON object keys arrive as strings.
+            self.logit_bias = {int(tok): float(bias) for tok, bias in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
+        if 0 < self.temperature < _MIN_RANDOM_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which risks inf/nan; using %s.",
+                           self.temperature, _MIN_RANDOM_TEMPERATURE, _MIN_RANDOM_TEMPERATURE)
+            self.temperature = _MIN_RANDOM_TEMPERATURE
+        if self.is_greedy:
+            # Filters cannot change an argmax: turn them off so the batch can take the greedy fast path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        # Filled in by the engine when the request is added (they need the model and tokenizer).
+        self._all_stop_token_ids: set[int] = set(self.stop_token_ids)
+        self._bad_words_token_ids: list[list[int]] = []
 
     def _validate(self) -> None:
         def bad(name: str, msg: str):
             raise ValueError(f"{name} {msg}")
 
-        if self.n < 1:
-            bad("n", f"must be at least 1, got {self.n}.")
-        if self.n != 1:
-            bad("n", "> 1 is not supported yet; send n separate requests.")
-        if self.temperature < 0:
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer of at least 1, got {self.n!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(name, f"must be in [-2, 2], got {value}.")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}.")
+        if not self.temperature >= 0:
             bad("temperature", f"must be non-negative, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            bad("top_k", f"must be 0 or -1 (off) or a positive integer, got {self.top_k}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (off) or a positive integer, got {self.top_k!r}.")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
-            bad("min_tokens", f"must be non-negative, got {self.min_tokens}.")
+            bad("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < -1:
+                bad(name, f"must be a non-negative integer or -1 (the whole vocabulary), got {value}.")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must contain only integers, got {self.stop_token_ids}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", f"must be non-empty strings, got {self.stop}.")
+        if self.stop and not self.detokenize:
+            bad("stop", "strings need detokenize=True (they are matched on the text).")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", f"must be non-empty strings, got {self.bad_words}.")
+        if self.logit_bias is not None and not all(math.isfinite(b) for b in self.logit_bias.values()):
+            bad("logit_bias", "values must be finite numbers.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty (leave it unset to allow every token).")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}.")
 
+    # ---- derived ----------------------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """EOS and stop_token_ids: what min_tokens keeps from being sampled."""
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a stream holds back: they could be the start of a stop string (cut from the text)."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    # ---- resolved against the model when the request is added -----------------------------------
+    def update_from_model(self, eos_token_id: int | None, extra_eos_token_ids=()) -> None:
+        """EOS always counts for min_tokens; a model's other EOS ids stop like stop_token_ids (vLLM)."""
+        if eos_token_id is not None:
+            self._all_stop_token_ids.add(eos_token_id)
+        extra = [t for t in extra_eos_token_ids if t != eos_token_id]
+        self._all_stop_token_ids.update(extra)
+        if extra and not self.ignore_eos:
+            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *extra]))
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Token ids of each bad word, as it would appear at the start of text and after a space."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words:
+            variants = []
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in variants:
+                    variants.append(ids)
+            self._bad_words_token_ids.extend(variants)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        def check(name: str, ids) -> None:
+            out = [t for t in ids if not 0 <= t < vocab_size]
+            if out:
+                raise ValueError(
+                    f"{name} contains out-of-vocabulary token id(s) {out[:5]} (vocabulary size {vocab_size}).")
+
+        check("logit_bias", self.logit_bias or ())
+        check("allowed_token_ids", self.allowed_token_ids or ())
+        check("stop_token_ids", self.stop_token_ids)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 
+_WAIT = object()  # admission of this request must wait for another one to progress
+
 
 @dataclass
 class SchedulerConfig:
@@ -35,6 +37,9 @@ class ScheduledRequest:
     needs_sample: bool  # this step reaches the end of the known tokens
     sampling_params: object
     output_len: int  # output tokens so far (seeded sampling, min_tokens)
+    # The request's own lists, by reference (no copy): penalties, bad words and prompt logprobs read them.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -132,7 +137,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            shared = self._sibling_prefix(req, out) if req.prefix_source_id is not None else None
+            if shared is _WAIT:
+                break
+            hit_blocks, num_hit_tokens = shared or self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -153,6 +161,24 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _sibling_prefix(self, req: Request, out: SchedulerOutput):
+        """n > 1: a sample takes its first sibling's full prompt blocks instead of computing its own.
+        _WAIT while the sibling is still being scheduled through them (it runs first, so it gets there);
+        None (use the prefix cache) if the sibling is not running."""
+        src = self.requests.get(req.prefix_source_id)
+        if src is None or src.status != RequestStatus.RUNNING:
+            return None
+        bs = self.kv.block_size
+        num_blocks = min(req.num_tokens - 1, req.num_prompt_tokens) // bs
+        if num_blocks == 0:
+            return None
+        # Tokens whose K/V the sibling has, or writes in this step (before any attention reads them).
+        end = next((s.start_pos + len(s.token_ids) for s in out.scheduled if s.request_id == src.request_id),
+                   src.num_computed_tokens)
+        if end < num_blocks * bs:
+            return _WAIT
+        return self.kv.shared_blocks(src.request_id, num_blocks), num_blocks * bs
+
     def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
@@ -164,6 +190,8 @@ class Scheduler:
             needs_sample=start + num_new == req.num_tokens,
             sampling_params=req.sampling_params,
             output_len=req.num_output_tokens,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
         )
 
     def _preempt(self, req: Request) -> None:

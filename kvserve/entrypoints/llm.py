@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -49,10 +49,16 @@ class LLM:
                     f"Got {len(params_list)} sampling params for {len(prompts)} prompts: pass one, or one per prompt."
                 )
         engine = self.llm_engine
+        # Offline, only the final outputs matter, whatever output_kind the caller set.
+        final = {}
+        for params in params_list:
+            if id(params) not in final:
+                final[id(params)] = params.clone()
+                final[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+                ids.append(engine.add_request(None, prompt, final[id(params)]))
         except Exception:
             engine.abort_request(ids)  # all or nothing: no orphans left in the engine
             raise
@@ -65,20 +71,32 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
+
+        The template (the tokenizer's, or `chat_template`) is rendered by transformers in a sandboxed
+        jinja2 environment, so a template cannot reach Python internals. `continue_final_message`
+        leaves the last (assistant) message open for the model to continue."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; skip_tokenizer_init is set.")
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError("This tokenizer has no chat template: pass chat_template=... (a jinja2 string).")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False.")
         prompts = []
         for conversation in conversations:
-            ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
             )
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            # The template already wrote any BOS it wants.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

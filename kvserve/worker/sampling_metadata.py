@@ -6,6 +6,9 @@ batch costs a few list comprehensions and the all-greedy batch almost nothing.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from kvserve.worker.sampler import Penalties, SamplingMetadata
@@ -28,26 +31,24 @@ def _banned_tokens(params, output_ids: list[int], output_len: int) -> list[int]:
     return banned
 
 
+def _row_token_pairs(token_lists: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) for every token of every row, built with numpy: these lists can be long."""
+    lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
+    rows = np.repeat(np.arange(len(token_lists)), lens)
+    toks = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
+    pairs = torch.from_numpy(np.stack([rows, toks])).to(dev)
+    return pairs[0], pairs[1]
+
+
 def _penalties(rows: list[int], params: list, scheduled: list, vocab: int, dev) -> Penalties:
-    out_rows, out_toks, prompt_rows, prompt_toks = [], [], [], []
-    use_repetition = any(p.repetition_penalty != 1 for p in params)
-    for j, s in enumerate(scheduled):
-        outs = s.output_token_ids[:s.output_len]
-        out_rows.extend([j] * len(outs))
-        out_toks.extend(outs)
-        if use_repetition:
-            prompt_rows.extend([j] * len(s.prompt_token_ids))
-            prompt_toks.extend(s.prompt_token_ids)
     n = len(rows)
     counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
-    if out_toks:
-        idx = torch.tensor([out_rows, out_toks], dtype=torch.int64, device=dev)
-        counts.index_put_((idx[0], idx[1]), torch.ones((), device=dev).expand(len(out_toks)), accumulate=True)
+    out_rows, out_toks = _row_token_pairs([s.output_token_ids[:s.output_len] for s in scheduled], dev)
+    counts.index_put_((out_rows, out_toks), torch.ones((), device=dev).expand(len(out_toks)), accumulate=True)
     prompt_mask = None
-    if use_repetition:
+    if any(p.repetition_penalty != 1 for p in params):
         prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
-        idx = torch.tensor([prompt_rows, prompt_toks], dtype=torch.int64, device=dev)
-        prompt_mask[idx[0], idx[1]] = True
+        prompt_mask[_row_token_pairs([s.prompt_token_ids for s in scheduled], dev)] = True
     vals = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
                         dtype=torch.float32, device=dev)
     return Penalties(
