@@ -14,8 +14,9 @@ install:
 install-test: install
 	$(PIP) install -q -e ".[test]"
 
+# The main job: the OpenAI-compatible server with the embedded SmolLM2 on http://127.0.0.1:8000.
 run: install
-	kvserve chat "What is the capital of France?"
+	kvserve serve
 
 test: install-test
 	$(PYTHON) -m pytest -q -x tests

@@ -1,4 +1,4 @@
-"""`kvserve` command line: `kvserve chat`, `kvserve generate` (more subcommands as they land)."""
+"""`kvserve` command line: `kvserve serve`, `kvserve chat`, `kvserve generate`, `kvserve bench`."""
 
 from __future__ import annotations
 
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from kvserve.bench.cli import add_bench_parser
+    from kvserve.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

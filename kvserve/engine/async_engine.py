@@ -1,0 +1,403 @@
+"""AsyncEngine: many concurrent asyncio callers streaming from one engine whose step loop runs elsewhere.
+
+Why not on the event loop: a step takes tens of milliseconds; run there it would stall every HTTP
+connection, and every HTTP callback would in turn delay the next step. So the step loop (EngineCore) runs
+in a process of its own by default, as vLLM's does: its Python work (scheduling, inputs, detokenization)
+never waits for this process's GIL, which HTTP, JSON and tokenization hold. Measured on the tiny model,
+where a step is mostly Python, a thread in this process made served throughput about half of offline.
+A thread (use_process=False) remains for tests and embedding.
+
+The two sides share nothing mutable but two channels:
+  asyncio -> engine   a queue of commands (add, abort, stop), batched into one pipe message per wake-up
+                      and applied between steps; the core blocks on it only while it has no work.
+  engine -> asyncio   one EngineBatch per iteration (accepted adds, outputs, stats), received by a thread
+                      and handed to the event loop with one call_soon_threadsafe, then fanned out to
+                      per-request streams.
+A stream read more slowly than the engine produces merges the DELTA outputs waiting in it, so a slow
+client costs one bigger chunk rather than a growing backlog (as vLLM's RequestOutputCollector).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import STOP, EngineBatch, EngineCore, run_engine_core_process
+from kvserve.engine.metrics import EngineMetrics, FinishedRequest
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading, or the engine is shutting down."""
+
+
+class EngineFailedError(RuntimeError):
+    """A step failed; the requests in it were aborted (the engine itself keeps running)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted while someone was still reading its stream."""
+
+
+class RequestStream:
+    """One request's outputs on their way from the engine to their consumer (event-loop side only)."""
+
+    def __init__(self, request_id: str, kind: RequestOutputKind, arrival: float):
+        self.request_id = request_id
+        self.kind = kind
+        self.arrival = arrival
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.finished = False  # nothing more will come from the engine
+        self._delivered_final = False
+        self.first_token_seen = False
+        self.num_generated: dict[int, int] = {}  # sample index -> tokens so far
+        self.finish_reasons: dict[int, str] = {}
+
+    def put(self, out: RequestOutput) -> None:
+        if self._pending is not None and self.kind == RequestOutputKind.DELTA:
+            _merge_delta(self._pending, out)
+        else:
+            self._pending = out
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        if not self.accepted.done():
+            self.accepted.set_exception(error)
+            self.accepted.exception()  # retrieved: no "never retrieved" warning if nobody awaits it
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._pending is not None:  # deliver what was produced before an error
+            out, self._pending = self._pending, None
+            return out
+        raise self._error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._delivered_final:
+            raise StopAsyncIteration
+        out = await self.get()
+        self._delivered_final = out.finished
+        return out
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Appends a later DELTA output to an unread one (both own their lists: the engine made them fresh)."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.metrics = new.metrics
+    into.num_cached_tokens = new.num_cached_tokens
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
+
+
+class AsyncEngine:
+    """`use_process=True` (the server's choice) runs the EngineCore in a child process; False runs it on a
+    thread of this process (quicker to start; for tests and embedding)."""
+
+    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True):
+        self.args = args
+        self.metrics = metrics
+        self.use_process = use_process
+        self.config = None  # EngineConfig, once loaded
+        self.tokenizer = None  # this side's own tokenizer: never shared with the engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Future | None = None
+        self._threads: list[threading.Thread] = []
+        self._process = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts loading the model; call from the running event loop, then `await ready()`."""
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
+        target = self._run_process if self.use_process else self._run_thread
+        self._spawn_thread(target, "kvserve-engine")
+
+    async def ready(self) -> None:
+        """Returns once the model is loaded; raises what loading raised."""
+        await asyncio.shield(self._started)
+
+    @property
+    def is_ready(self) -> bool:
+        return (self._started is not None and self._started.done() and not self._started.cancelled()
+                and self._started.exception() is None and not self._stopping)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is still running and stops the engine."""
+        self._stopping = True
+        for stream in list(self._streams.values()):
+            stream.finished = True
+            stream.fail(EngineNotReadyError("The server is shutting down."))
+        self._streams.clear()
+        self._commands.put(STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._join, timeout)
+
+    def _join(self, timeout: float) -> None:
+        if self._process is not None:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        for t in self._threads:
+            t.join(timeout)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs as the engine produces them, in `sampling_params.output_kind`
+        (DELTA: each output holds only what is new). A rejected request raises ValueError before the first
+        output. Leaving the loop early (or being cancelled) aborts the request and frees its KV blocks."""
+        stream = await self.add_request(prompt, sampling_params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self.abort(stream.request_id)  # a no-op once finished
+
+    async def add_request(self, prompt, sampling_params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        """Adds a request and returns its stream once the engine has accepted it (ValueError if it did not),
+        so a server can answer 400 before it starts a 200 response. Whoever holds the stream must read it
+        to the end or call `abort(stream.request_id)`."""
+        if not self.is_ready:
+            raise EngineNotReadyError("The engine is not ready (the model is loading, or the server is stopping).")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init is set: give prompts as {'prompt_token_ids': [...]}.")
+            # Tokenized here, not on the engine thread, so a long prompt never delays a step.
+            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        stream = RequestStream(request_id, sampling_params.output_kind, time.time())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt, sampling_params))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its blocks (idempotent; unknown ids are ignored)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
+        self._commands.put(("abort", request_id))
+        if self.metrics is not None:
+            self.metrics.observe_finished(FinishedRequest("abort", time.time() - stream.arrival, None, None))
+
+    # ---- transports: this process's thread, or a child process --------------------------------------
+    def _spawn_thread(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _run_thread(self) -> None:
+        try:
+            from kvserve.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(self.args)
+            tokenizer = self._load_tokenizer(engine.config)
+        except BaseException as e:  # reported to the server, which exits
+            logger.exception("Engine failed to start")
+            self._post(self._on_started, None, None, e)
+            return
+        self._post(self._on_started, engine.config, tokenizer, None)
+        try:
+            EngineCore(engine).run(self._take_commands, lambda batch: self._post(self._on_batch, batch))
+        except BaseException:  # last resort: never die silently
+            logger.exception("Engine loop crashed")
+            self._post(self._on_crashed)
+
+    def _take_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _run_process(self) -> None:
+        """Starts the engine process, then receives its batches (this thread) while another sends commands."""
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(target=run_engine_core_process, args=(self.args, child_conn),
+                                    name="kvserve-engine-core", daemon=True)
+        try:
+            self._process.start()
+            child_conn.close()
+            kind, payload = conn.recv()
+            if kind != "ready":
+                raise RuntimeError(f"The engine process failed to start: {payload}")
+            tokenizer = self._load_tokenizer(payload)
+        except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
+            logger.error("Engine failed to start: %s", e)
+            self._post(self._on_started, None, None, e)
+            return
+        self._post(self._on_started, payload, tokenizer, None)
+        self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
+        while True:
+            try:
+                self._post(self._on_batch, conn.recv())
+            except (EOFError, OSError):
+                break
+            except Exception:  # an undecodable message must not stop the receiver
+                logger.exception("Dropped a message from the engine process")
+        self._process.join(5)
+        if not self._stopping:
+            logger.error("The engine process exited unexpectedly (exit code %s)", self._process.exitcode)
+            self._post(self._on_crashed)
+
+    def _send_commands(self, conn) -> None:
+        """Batches what is queued into one message: one pickle and one write per wake-up, not per command."""
+        while True:
+            commands = self._take_commands(block=True)
+            try:
+                conn.send(commands)
+            except (BrokenPipeError, OSError):
+                return
+            if STOP in commands:
+                return
+
+    def _load_tokenizer(self, config):
+        if self.args.skip_tokenizer_init:
+            return None
+        from kvserve.model.default_model import load_tokenizer
+
+        return load_tokenizer(config.tokenizer_path)
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    # ---- back on the event loop ------------------------------------------------------------------
+    def _on_started(self, config, tokenizer, error) -> None:
+        if error is not None:
+            self._started.set_exception(error)
+            return
+        self.config, self.tokenizer = config, tokenizer
+        self._started.set_result(None)
+
+    def _on_crashed(self) -> None:
+        self._stopping = True
+        for stream in list(self._streams.values()):
+            stream.fail(EngineFailedError("The engine loop crashed; see the server log."))
+        self._streams.clear()
+
+    def _on_batch(self, batch: EngineBatch) -> None:
+        accepted, outputs, failed, stats = batch.accepted, batch.outputs, batch.failed, batch.stats
+        for rid, error in accepted:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if error is None:
+                stream.accepted.set_result(None)
+            else:
+                del self._streams[rid]
+                stream.finished = True
+                stream.fail(error)
+        for rid in failed:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finished = True
+                stream.fail(EngineFailedError("The engine failed while running this request; see the server log."))
+        num_prompt = num_generated = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted after the step was scheduled
+                continue
+            new_prompt, new_generated = self._account(stream, out)
+            num_prompt += new_prompt
+            num_generated += new_generated
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                self._observe_finished(stream, out)
+            stream.put(out)
+        if self.metrics is not None:
+            self.metrics.observe_iteration(num_prompt, num_generated)
+            self.metrics.observe_engine(stats)
+
+    def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
+        """Prompt and generated tokens this output adds (for the counters and the throughput log)."""
+        new = 0
+        for c in out.outputs:
+            before = stream.num_generated.get(c.index, 0)
+            total = before + len(c.token_ids) if stream.kind == RequestOutputKind.DELTA else len(c.token_ids)
+            stream.num_generated[c.index] = total
+            new += total - before
+            if c.finish_reason is not None:
+                stream.finish_reasons[c.index] = c.finish_reason
+        prompt = 0
+        if not stream.first_token_seen and new:
+            stream.first_token_seen = True
+            prompt = len(out.prompt_token_ids)
+            if self.metrics is not None:
+                m = out.metrics
+                first = m.first_token_time if m is not None and m.first_token_time else time.time()
+                # From when the server took the request, not when the engine did: what a client waits.
+                self.metrics.observe_first_token(max(first - stream.arrival, 0.0))
+        return prompt, new
+
+    def _observe_finished(self, stream: RequestStream, out: RequestOutput) -> None:
+        if self.metrics is None:
+            return
+        m = out.metrics
+        arrival = stream.arrival  # the server's clock: the engine process shares time.time()
+        finished = (m.finished_time if m is not None and m.finished_time else None) or time.time()
+        queue_time = None
+        if m is not None and m.first_scheduled_time is not None:
+            queue_time = max(m.first_scheduled_time - arrival, 0.0)
+        tpot = None
+        most = max(stream.num_generated.values(), default=0)
+        if m is not None and m.first_token_time is not None and most > 1:
+            tpot = (finished - m.first_token_time) / (most - 1)
+        reason = stream.finish_reasons.get(0) or next(iter(stream.finish_reasons.values()), "stop")
+        self.metrics.observe_finished(FinishedRequest(reason, finished - arrival, queue_time, tpot))

@@ -1,0 +1,118 @@
+"""EngineCore: the step loop that serves an AsyncEngine, apart from how commands reach it and results leave.
+
+Between steps it applies the commands that arrived (add, abort, stop); then it runs one step and publishes
+one EngineBatch: which adds were accepted (or why not), the step's outputs, the requests a failed step
+aborted, and the engine's stats. It blocks for commands only while it has nothing to run.
+
+It runs either on a thread of the server process or, by default, in a process of its own
+(`run_engine_core_process`), as vLLM's EngineCore does: there its Python work (scheduling, input
+building, detokenization) never waits for the server's GIL, and HTTP work never waits for a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params) | ("abort", id) | ("stop",)
+STOP = ("stop",)
+
+
+@dataclass
+class EngineBatch:
+    accepted: list  # [(request_id, exception or None)]
+    outputs: list[RequestOutput]
+    failed: list[str]  # requests aborted because the step failed
+    stats: object  # EngineStats
+
+
+class EngineCore:
+    def __init__(self, engine):
+        self.engine = engine
+        self.live: set[str] = set()  # request ids the engine holds
+
+    def run(self, take_commands: Callable[[bool], list], publish: Callable[[EngineBatch], None]) -> None:
+        """`take_commands(block)` returns the commands that arrived (waiting for one if block); returns on stop."""
+        engine = self.engine
+        while True:
+            accepted = []
+            for cmd in take_commands(not engine.has_unfinished_requests()):
+                kind = cmd[0]
+                if kind == "add":
+                    _, rid, prompt, params = cmd
+                    try:
+                        engine.add_request(rid, prompt, params)
+                        self.live.add(rid)
+                        accepted.append((rid, None))
+                    except Exception as e:  # noqa: BLE001 - a bad request is the caller's error, not ours
+                        accepted.append((rid, _portable(e)))
+                elif kind == "abort":
+                    if cmd[1] in self.live:
+                        self.live.discard(cmd[1])
+                        engine.abort_request([cmd[1]])
+                elif kind == "stop":
+                    engine.abort_request(list(self.live))
+                    return
+            outputs: list[RequestOutput] = []
+            failed: list[str] = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception:  # abort what was running; keep serving the rest
+                    logger.exception("Engine step failed; aborting the %d requests in flight", len(self.live))
+                    failed = list(self.live)
+                    engine.abort_request(failed)
+                    self.live.clear()
+            for out in outputs:
+                if out.finished:
+                    self.live.discard(out.request_id)
+            publish(EngineBatch(accepted, outputs, failed, engine.get_stats()))
+
+
+def _portable(e: Exception) -> Exception:
+    """The same error as a built-in type, which pickles and unpickles whatever its class's __init__ needs:
+    ValueError (the request is invalid: a 400) stays one, anything else is the engine's fault (a 500)."""
+    if isinstance(e, ValueError):
+        return ValueError(str(e))
+    return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def run_engine_core_process(args, conn) -> None:
+    """Entry point of the engine process: load, report ("ready", config) or ("error", message), then serve
+    commands arriving on `conn` until "stop" or until the server's end of the pipe closes."""
+    # The server decides when the engine stops (it drains first): a Ctrl-C in the terminal reaches the whole
+    # process group, and must not kill the engine under in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        from kvserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args)
+    except BaseException as e:  # reported to the server, which exits
+        logger.exception("Engine failed to start")
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", engine.config))
+
+    def take_commands(block: bool) -> list:
+        commands = []
+        try:
+            if block:
+                conn.poll(None)
+            while conn.poll(0):
+                commands.extend(conn.recv())
+        except (EOFError, OSError):  # the server is gone
+            commands.append(STOP)
+        return commands
+
+    try:
+        EngineCore(engine).run(take_commands, conn.send)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the server went away mid-send

@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine, run by uvicorn.
+
+The port opens at once and answers 503 while the model loads (so orchestrators can probe /health); on
+SIGTERM/SIGINT it stops accepting, answers 503 to new requests, lets in-flight streams finish (bounded by
+--shutdown-timeout), stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import kvserve
+from kvserve.config import EngineArgs
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvserve.entrypoints.openai.serving_chat import ServingChat
+from kvserve.entrypoints.openai.serving_completion import ServingCompletion
+
+logger = logging.getLogger("kvserve.server")
+
+STATS_LOG_INTERVAL_S = 10.0
+# Open like vLLM's: probes and scrapers carry no API key.
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# Answerable while the model loads or the server drains.
+_ALWAYS_AVAILABLE_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+    response_role: str = "assistant"
+    chat_template: str | None = None
+    disable_log_stats: bool = False
+    enable_log_requests: bool = False
+
+
+@dataclass
+class ServerState:
+    """What the routes, the middleware and the signal handler share (one per app, no globals)."""
+
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    settings: ServerSettings
+    draining: bool = False
+    exit_code: int = 0
+    request_exit: object = None  # callable set by the runner: stop uvicorn (engine failed to start)
+
+
+class _GateMiddleware:
+    """API key, then "starting"/"draining" 503s; plain ASGI so streaming and disconnects pass untouched."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        key = state.settings.api_key
+        self._key = key.encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self._key is not None and path not in _UNAUTHENTICATED_PATHS and not self._authorized(scope):
+            return await error_response("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401)(
+                scope, receive, send)
+        if path not in _ALWAYS_AVAILABLE_PATHS:
+            if self.state.draining:
+                return await error_response("The server is shutting down.", 503)(scope, receive, send)
+            if not self.state.engine.is_ready:
+                return await error_response("The model is still loading; retry shortly.", 503)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                # Constant time: the comparison must not reveal how much of a guess was right.
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return False
+
+
+def build_app(state: ServerState) -> FastAPI:
+    engine, metrics, settings = state.engine, state.metrics, state.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        tasks = [asyncio.create_task(_watch_startup(state))]
+        if not settings.disable_log_stats:
+            tasks.append(asyncio.create_task(_log_stats(metrics)))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await engine.shutdown()
+            logger.info("Engine stopped")
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(_GateMiddleware, state=state)
+    chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template)
+    completion = ServingCompletion(engine, settings.served_model_name)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return error_response("The server is shutting down.", 503)
+        if not engine.is_ready:
+            return error_response("The model is still loading.", 503)
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvserve", "root": settings.model_path, "parent": None,
+            "max_model_len": engine.config.max_model_len, "permission": [],
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        _log_request(settings, "completion", body)
+        return await completion.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        _log_request(settings, "chat", body)
+        return await chat.create(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        chat.check_model(body.model)
+        tokenizer = chat.require_tokenizer("/tokenize")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("Give exactly one of prompt and messages.", 400)
+        if body.messages is not None:
+            text = chat.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                    body.chat_template, body.chat_template_kwargs)
+            special = bool(body.add_special_tokens)  # the template already placed them
+        else:
+            text = body.prompt
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = tokenizer.encode(text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": engine.config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        chat.check_model(body.model)
+        tokenizer = chat.require_tokenizer("/detokenize")
+        chat.check_token_ids(body.tokens)
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _log_request(settings: ServerSettings, kind: str, body) -> None:
+    if settings.enable_log_requests:
+        logger.info("%s request: %s", kind, body.model_dump_json(exclude_none=True)[:2000])
+
+
+async def _watch_startup(state: ServerState) -> None:
+    t0 = time.perf_counter()
+    try:
+        await state.engine.ready()
+    except Exception:  # noqa: BLE001 - logged by the engine thread; a server without a model must exit
+        logger.error("The engine failed to start; shutting down.")
+        state.exit_code = 1
+        if state.request_exit is not None:
+            state.request_exit()
+        return
+    logger.info("Ready: serving %s (max_model_len %d) after %.1f s", state.settings.served_model_name,
+                state.engine.config.max_model_len, time.perf_counter() - t0)
+
+
+async def _log_stats(metrics: EngineMetrics) -> None:
+    while True:
+        await asyncio.sleep(STATS_LOG_INTERVAL_S)
+        metrics.log.maybe_log()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that a signal drains first and the process then exits 0 instead of re-raising it."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for streams
+            return
+        if not self.should_exit:
+            logger.info("Received %s: draining in-flight requests, then exiting.", signal.Signals(sig).name)
+        self.state.draining = True
+        self.should_exit = True
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file path or the jinja2 text itself (as in vLLM)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    return value
+
+
+def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               uvicorn_log_level: str = "info", chat_template: str | None = None, response_role: str = "assistant",
+               disable_log_stats: bool = False, enable_log_requests: bool = False,
+               shutdown_timeout: float = 30.0) -> int:
+    config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
+    settings = ServerSettings(
+        served_model_name=config.served_model_name,
+        model_path=str(config.model_path),
+        api_key=api_key or os.environ.get("KVSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+        response_role=response_role,
+        chat_template=read_chat_template(chat_template),
+        disable_log_stats=disable_log_stats,
+        enable_log_requests=enable_log_requests,
+    )
+    metrics = EngineMetrics(settings.served_model_name)
+    state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)
+    app = build_app(state)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
+    server = _Server(uv_config, state)
+
+    def request_exit():
+        state.draining = True
+        server.should_exit = True
+
+    state.request_exit = request_exit
+    logger.info("Starting server on http://%s:%d (model %s)", host, port, settings.served_model_name)
+    server.run()
+    return state.exit_code
+

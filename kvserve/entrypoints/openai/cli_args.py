@@ -1,0 +1,60 @@
+"""`kvserve serve [MODEL] [engine flags] [server flags]`: vLLM's `vllm serve` command line.
+
+Engine flags come from the EngineArgs dataclass (cli_args.add_engine_args), so they cannot drift from the
+library; only the HTTP server's own flags are declared here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Server options")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="Address to listen on; 0.0.0.0 makes the server reachable from other machines (default: "
+                        "127.0.0.1, this machine only).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on the API (/health, /metrics and /version stay open). "
+                        "Also read from $KVSERVE_API_KEY or $VLLM_API_KEY.")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS, help="uvicorn's log level.")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja2 chat template, as a file path or inline text (default: the tokenizer's).")
+    g.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
+    g.add_argument("--disable-log-stats", action="store_true", help="No periodic throughput log line.")
+    g.add_argument("--enable-log-requests", action="store_true", help="Log each request's parameters.")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="Accepted for vLLM compatibility (requests are not logged unless --enable-log-requests).")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting (default: 30).")
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="Start the OpenAI-compatible HTTP server.",
+        description="Start the OpenAI-compatible HTTP server (same flags as `vllm serve`).",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+    p.add_argument("--model", default=None, help="Same as MODEL (vLLM accepts both).")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"Two different models given: {ns.model_tag!r} and --model {ns.model!r}.")
+    args = engine_args_from_namespace(ns, ns.model_tag or ns.model)
+    return run_server(
+        args, host=ns.host, port=ns.port, api_key=ns.api_key, uvicorn_log_level=ns.uvicorn_log_level,
+        chat_template=ns.chat_template, response_role=ns.response_role, disable_log_stats=ns.disable_log_stats,
+        enable_log_requests=ns.enable_log_requests, shutdown_timeout=ns.shutdown_timeout,
+    )

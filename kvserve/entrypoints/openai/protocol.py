@@ -1,0 +1,179 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields.
+
+Unknown fields are ignored, as by vLLM and OpenAI, so newer clients keep working. Range checks that
+SamplingParams already makes are left to it (one source of truth); the error reaches the client as a 400.
+Responses are built as plain dicts in the serving modules: the hot streaming path stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.sampling_params import RequestOutputKind
+
+# vLLM's --max-logprobs default: how many alternatives a request may ask for.
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions, named as SamplingParams names them."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    request_id: str | None = None
+
+    def sampling_fields(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        """Keyword arguments for SamplingParams. None means "the default" (OpenAI clients send nulls)."""
+        fields: dict[str, Any] = {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "bad_words": self.bad_words,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            # Both paths read deltas: the stream forwards them, the non-streaming path joins them.
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def check_common(self) -> None:
+        """Checks SamplingParams cannot make (they concern the API, not sampling)."""
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of different from n is not supported.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true.")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise ValueError("suffix is not supported.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template as given
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs set to true.")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("Tool calling is not supported yet.")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text (structured output) is not supported yet.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+

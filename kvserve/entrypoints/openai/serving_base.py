@@ -1,0 +1,241 @@
+"""What /v1/completions and /v1/chat/completions share: model check, context-length check, SamplingParams
+from a request, logprob formatting, usage, disconnect handling and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+
+from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError
+from kvserve.entrypoints.openai.errors import APIError
+from kvserve.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp to this
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, response_role: str = "assistant",
+                 chat_template: str | None = None):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.response_role = response_role
+        self.chat_template = chat_template
+
+    # ---- checks ----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(f"{what} needs a tokenizer, and the server runs with --skip-tokenizer-init.", 400)
+        return self.tokenizer
+
+    def max_tokens_for(self, num_prompt: int, max_tokens: int | None) -> int:
+        """vLLM's context check and messages; an unset max_tokens takes what is left of the context."""
+        limit = self.max_model_len
+        if max_tokens is None:
+            if num_prompt >= limit:
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{num_prompt} input tokens. Please reduce the length of the input messages.", 400, "messages")
+            return limit - num_prompt
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}.", 400, "max_tokens")
+        if num_prompt + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the completion). "
+                f"Please reduce the length of the messages or completion.", 400, "max_tokens")
+        return max_tokens
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.engine.config.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).", 400, "prompt")
+        if not ids:
+            raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
+
+    @staticmethod
+    def sampling_params(fields: dict) -> SamplingParams:
+        """Passes every field by name; one SamplingParams does not know yet is refused only if it is set."""
+        known = {}
+        for name, value in fields.items():
+            spec = _SAMPLING_FIELDS.get(name)
+            if spec is not None:
+                known[name] = value
+            elif value not in (None, False, 0, [], {}):
+                raise APIError(f"{name} is not supported yet.", 400, name)
+        try:
+            return SamplingParams(**known)
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            param = message.split(" ", 1)[0]
+            raise APIError(message, 400, param if param in _SAMPLING_FIELDS else None) from None
+
+    # ---- running requests ------------------------------------------------------------------------
+    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]]):
+        """Adds every (request_id, prompt, params); all or nothing, and engine rejections become 400s."""
+        streams = []
+        try:
+            for request_id, prompt, params in items:
+                streams.append(await self.engine.add_request(prompt, params, request_id))
+        except ValueError as e:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise APIError(str(e), 400) from None
+        except EngineNotReadyError as e:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise APIError(str(e), 503) from None
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise
+        return streams
+
+    def abort_all(self, streams) -> None:
+        for s in streams:
+            self.engine.abort(s.request_id)
+
+
+async def merged(streams) -> AsyncIterator[tuple[int, object]]:
+    """(position, output) from several request streams as they come (one stream: no tasks needed)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnect(raw: Request, work: Awaitable, on_disconnect) -> object:
+    """Runs `work`; if the client goes away first, cancels it and calls `on_disconnect()` (abort + free)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        on_disconnect()
+        raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineNotReadyError):
+        return APIError(str(e), 503)
+    if isinstance(e, EngineFailedError):
+        return APIError(str(e), 500)
+    return APIError(f"{type(e).__name__}: {e}", 500)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def _token_text(tokenizer, token_id: int, lp) -> str:
+    text = getattr(lp, "decoded_token", None)
+    if text is None:
+        text = tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+    return text
+
+
+def _clamp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def completion_logprobs(token_ids: list[int], positions: list, tokenizer, text_offset: int = 0) -> dict:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
+    `positions[i]` is {token id: Logprob} (the chosen token among them), or None (first prompt token)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entries in zip(token_ids, positions):
+        if entries is None:
+            token, logprob, top = _token_text(tokenizer, tid, None), None, None
+        else:
+            chosen = entries.get(tid)
+            token = _token_text(tokenizer, tid, chosen)
+            logprob = _clamp(chosen.logprob) if chosen is not None else None
+            top = {_token_text(tokenizer, t, e): _clamp(e.logprob) for t, e in entries.items()}
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], positions: list, num_top: int, tokenizer) -> list[dict]:
+    """`choices[].logprobs.content`: each token with its logprob, bytes and the `num_top` most likely."""
+    content = []
+    for tid, entries in zip(token_ids, positions):
+        chosen = entries.get(tid) if entries else None
+        token = _token_text(tokenizer, tid, chosen)
+        alternatives = sorted(
+            (e.rank, t, e) for t, e in (entries or {}).items() if e.rank is not None and 1 <= e.rank <= num_top)
+        top = []
+        for _, t, e in alternatives[:num_top]:
+            text = _token_text(tokenizer, t, e)
+            top.append({"token": text, "logprob": _clamp(e.logprob), "bytes": list(text.encode("utf-8", "replace"))})
+        content.append({
+            "token": token,
+            "logprob": _clamp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+            "bytes": list(token.encode("utf-8", "replace")),
+            "top_logprobs": top,
+        })
+    return content

@@ -1,0 +1,156 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, n choices, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.entrypoints.openai.errors import APIError, sse_error
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ServingBase,
+    chat_logprobs,
+    engine_error,
+    sse,
+    until_disconnect,
+    usage,
+)
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    """Text-only content: a list of content parts is joined into one string (images etc. are refused)."""
+    d = m.model_dump(exclude_none=True)
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise APIError(f"Content parts of type {part.get('type')!r} are not supported; only text.", 400,
+                               "messages")
+            texts.append(str(part.get("text", "")))
+        d["content"] = "\n".join(texts)
+    elif content is None:
+        d["content"] = ""
+    return d
+
+
+class ServingChat(ServingBase):
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                    chat_template: str | None, chat_template_kwargs: dict | None) -> str:
+        tokenizer = self.require_tokenizer("Chat")
+        template = chat_template or self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise APIError("This model's tokenizer has no chat template; start the server with --chat-template.", 400)
+        try:
+            return tokenizer.apply_chat_template(
+                [_message_dict(m) for m in messages], chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template refusing the messages is the client's error
+            raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from None
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        try:
+            req.check()
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                req.chat_template, req.chat_template_kwargs)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        max_tokens = self.max_tokens_for(len(token_ids), req.requested_max_tokens)
+        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs))
+        request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)])
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, created, len(token_ids), streams[0]),
+                                     media_type="text/event-stream")
+        result = await until_disconnect(raw, self._collect(req, streams[0]), lambda: self.abort_all(streams))
+        return JSONResponse(self._response(req, request_id, created, len(token_ids), *result))
+
+    async def _collect(self, req: ChatCompletionRequest, stream):
+        texts: dict[int, str] = {}
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        finish: dict[int, tuple] = {}
+        try:
+            async for out in stream:
+                for c in out.outputs:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    tokens.setdefault(c.index, []).extend(c.token_ids)
+                    logprobs.setdefault(c.index, []).extend(c.logprobs or [])
+                    if c.finish_reason is not None:
+                        finish[c.index] = (c.finish_reason, c.stop_reason)
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from None
+        finally:
+            self.engine.abort(stream.request_id)
+        return texts, tokens, logprobs, finish
+
+    def _response(self, req, request_id, created, num_prompt, texts, tokens, logprobs, finish) -> dict:
+        choices = []
+        num_completion = 0
+        for k in range(req.n):
+            ids = tokens.get(k, [])
+            num_completion += len(ids)
+            lp = None
+            if req.logprobs:
+                lp = {"content": chat_logprobs(ids, logprobs.get(k, []), req.top_logprobs or 0, self.tokenizer),
+                      "refusal": None}
+            reason, stop_reason = finish.get(k, (None, None))
+            choices.append({
+                "index": k,
+                "message": {"role": self.response_role, "content": texts.get(k, ""), "refusal": None,
+                            "tool_calls": []},
+                "logprobs": lp,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            })
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
+                "choices": choices, "usage": usage(num_prompt, num_completion)}
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, num_prompt: int, stream):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.served_model_name}
+        num_completion = 0
+        try:
+            # OpenAI opens every choice with a chunk that carries only the role.
+            for k in range(req.n):
+                first = {**base, "choices": [{"index": k, "delta": {"role": self.response_role, "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if continuous:
+                    first["usage"] = usage(num_prompt, 0)
+                yield sse(first)
+            async for out in stream:
+                for c in out.outputs:
+                    num_completion += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                        continue  # nothing to show yet (text held back by a possible stop string)
+                    lp = None
+                    if req.logprobs:
+                        lp = {"content": chat_logprobs(list(c.token_ids), list(c.logprobs or []),
+                                                       req.top_logprobs or 0, self.tokenizer), "refusal": None}
+                    delta = {"content": c.text} if c.text else {}
+                    chunk = {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = usage(num_prompt, num_completion)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion)})
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
+            err = engine_error(e)
+            yield sse_error(err.message, err.status)
+        finally:
+            self.engine.abort(stream.request_id)  # a client that went away frees its KV blocks now
+        yield SSE_DONE

@@ -1,0 +1,172 @@
+"""POST /v1/completions: one or many prompts (text or token ids), n samples each, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.entrypoints.openai.errors import APIError, sse_error
+from kvserve.entrypoints.openai.protocol import CompletionRequest
+from kvserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ServingBase,
+    completion_logprobs,
+    engine_error,
+    merged,
+    sse,
+    until_disconnect,
+    usage,
+)
+
+
+class _Prompt:
+    """One prompt of the request, and what each of its n choices has produced so far."""
+
+    def __init__(self, text: str | None, token_ids: list[int]):
+        self.text = text
+        self.token_ids = token_ids
+        self.started: set[int] = set()  # choices whose first chunk went out (echo goes there)
+        self.texts: dict[int, str] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.finish: dict[int, tuple[str | None, object]] = {}
+        self.prompt_logprobs = None
+
+
+class ServingCompletion(ServingBase):
+    async def create(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        try:
+            req.check()
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+        prompts = self._prompts(req)
+        request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+        items = []
+        for i, p in enumerate(prompts):
+            max_tokens = self.max_tokens_for(len(p.token_ids), req.max_tokens)
+            fields = req.sampling_fields(max_tokens, req.logprobs)
+            if req.echo and req.logprobs is not None and "prompt_logprobs" not in fields:
+                fields["prompt_logprobs"] = req.logprobs
+            params = self.sampling_params(fields)
+            items.append((f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
+        streams = await self.add_requests(items)
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, created, prompts, streams),
+                                     media_type="text/event-stream")
+        await until_disconnect(raw, self._collect(req, prompts, streams), lambda: self.abort_all(streams))
+        return JSONResponse(self._response(req, request_id, created, prompts))
+
+    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        raw = req.prompt
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise APIError("prompt must not be empty.", 400, "prompt")
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                tokenizer = self.require_tokenizer("A text prompt")
+                ids = tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                prompts.append(_Prompt(p, ids))
+            else:
+                self.check_token_ids(p)
+                text = self.tokenizer.decode(p) if self.tokenizer is not None and req.echo else None
+                prompts.append(_Prompt(text, list(p)))
+            if not prompts[-1].token_ids:
+                raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
+        return prompts
+
+    # ---- choices ---------------------------------------------------------------------------------
+    def _choice_delta(self, req: CompletionRequest, p: _Prompt, c) -> tuple[str, dict | None]:
+        """Text and logprobs of one delta; echo puts the prompt (and its logprobs) before the first."""
+        text, token_ids, positions = c.text, list(c.token_ids), list(c.logprobs or [])
+        offset = len(p.texts.get(c.index, ""))
+        if req.echo and c.index in p.started:
+            offset += len(p.text or "")
+        if req.echo and c.index not in p.started:
+            text = (p.text or "") + text
+            if req.logprobs is not None and p.prompt_logprobs is not None:
+                token_ids = p.token_ids + token_ids
+                positions = list(p.prompt_logprobs) + positions
+        p.started.add(c.index)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(token_ids, positions, self.tokenizer, offset)
+        return text, logprobs
+
+    async def _collect(self, req: CompletionRequest, prompts: list[_Prompt], streams) -> None:
+        try:
+            async for i, out in merged(streams):
+                p = prompts[i]
+                if out.prompt_logprobs is not None and p.prompt_logprobs is None:
+                    p.prompt_logprobs = out.prompt_logprobs
+                for c in out.outputs:
+                    p.texts[c.index] = p.texts.get(c.index, "") + c.text
+                    p.tokens.setdefault(c.index, []).extend(c.token_ids)
+                    p.logprobs.setdefault(c.index, []).extend(c.logprobs or [])
+                    if c.finish_reason is not None:
+                        p.finish[c.index] = (c.finish_reason, c.stop_reason)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from None
+
+    def _response(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt]) -> dict:
+        choices = []
+        num_prompt = num_completion = 0
+        for i, p in enumerate(prompts):
+            num_prompt += len(p.token_ids)
+            for k in range(req.n):
+                text, ids, positions = p.texts.get(k, ""), p.tokens.get(k, []), p.logprobs.get(k, [])
+                num_completion += len(ids)
+                logprobs = None
+                if req.echo:
+                    text = (p.text or "") + text
+                if req.logprobs is not None:
+                    if req.echo and p.prompt_logprobs is not None:
+                        ids, positions = p.token_ids + ids, list(p.prompt_logprobs) + positions
+                    logprobs = completion_logprobs(ids, positions, self.tokenizer)
+                reason, stop_reason = p.finish.get(k, (None, None))
+                choices.append({"index": i * req.n + k, "text": text, "logprobs": logprobs,
+                                "finish_reason": reason, "stop_reason": stop_reason})
+        return {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name,
+                "choices": choices, "usage": usage(num_prompt, num_completion)}
+
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        num_completion = 0
+        try:
+            async for i, out in merged(streams):
+                p = prompts[i]
+                if out.prompt_logprobs is not None and p.prompt_logprobs is None:
+                    p.prompt_logprobs = out.prompt_logprobs
+                for c in out.outputs:
+                    num_completion += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not (req.echo and c.index not in p.started):
+                        continue  # nothing to show yet (text held back by a possible stop string)
+                    text, logprobs = self._choice_delta(req, p, c)
+                    p.texts[c.index] = p.texts.get(c.index, "") + c.text
+                    chunk = {"id": request_id, "object": "text_completion", "created": created,
+                             "model": self.served_model_name,
+                             "choices": [{"index": i * req.n + c.index, "text": text, "logprobs": logprobs,
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = usage(num_prompt, num_completion)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": request_id, "object": "text_completion", "created": created,
+                           "model": self.served_model_name, "choices": [],
+                           "usage": usage(num_prompt, num_completion)})
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
+            err = engine_error(e)
+            yield sse_error(err.message, err.status)
+        finally:
+            self.abort_all(streams)  # a client that went away frees its KV blocks now
+        yield SSE_DONE

@@ -1,0 +1,92 @@
+"""`kvserve serve` as a process: vLLM's command line, 503 while loading, SIGTERM drains and exits 0; and the
+CLI's own checks (help groups, bad flags) without starting anything."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from kvserve.entrypoints.cli import build_parser, main
+from tests.server_utils import RemoteServer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    # The flags of a typical `vllm serve` command line.
+    srv = RemoteServer(path, "--max-model-len", "512", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8",
+                       "--block-size", "16", "--enable-prefix-caching", "--dtype", "float32", "--seed", "0")
+    yield srv
+    srv.stop()
+
+
+def test_vllm_command_line_and_startup(server, tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert models[0]["id"] == path and models[0]["max_model_len"] == 512
+    # While the model loaded, /health said 503 (as OpenAI JSON), unless loading beat the first probe.
+    assert server.first_health_status in (200, 503)
+    if server.first_health_status == 503:
+        assert json.loads(server.first_health_body)["error"]["code"] == 503
+
+
+def test_sigterm_lets_streams_finish_then_exits_zero(server):
+    body = {"prompt": "Drain me", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    server.signal(signal.SIGTERM)
+    t.join(120)
+    assert server.proc.wait(timeout=120) == 0
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the stream ran to its end
+    assert "Engine stopped" in server.log_tail(20000)
+
+
+def test_serve_help_groups_engine_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for group in ("Server options", "Model options", "Cache options", "Scheduler options"):
+        assert group in out
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--uvicorn-log-level", "--max-model-len",
+                 "--gpu-memory-utilization", "--enable-prefix-caching", "--max-num-seqs"):
+        assert flag in out
+
+
+def test_serve_defaults():
+    ns = build_parser().parse_args(["serve"])
+    assert (ns.host, ns.port, ns.model_tag, ns.model) == ("127.0.0.1", 8000, None, None)
+
+
+def test_bad_engine_flag_fails_before_serving(capsys):
+    assert main(["serve", "--block-size", "3"]) == 2
+    assert "--block-size" in capsys.readouterr().err
+
+
+def test_bad_flag_in_subprocess_exits_nonzero():
+    r = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--max-num-seqs", "0"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-num-seqs" in r.stderr
+
+
+def test_remote_server_helper_reports_startup_failure(tmp_path):
+    with pytest.raises(RuntimeError, match="exited"):
+        RemoteServer(str(tmp_path / "missing-model"), startup_timeout=60)
