@@ -19,4 +19,4 @@ run: install
 	kvserve serve
 
 test: install-test
-	$(PYTHON) -m pytest -q -x tests
+	$(PYTHON) -m pytest -q -x --durations=15 tests

@@ -51,6 +51,22 @@ def smol_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_model():
+    """HF transformers' own load of the SmolLM2 GGUF (fp32): the oracle. Loading takes ~40 s on CI, so
+    one instance serves every test that needs it."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF checkpoints")
+    import transformers
+
+    from kvserve.model.default_model import find_default_gguf
+
+    try:
+        gguf = find_default_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, smol_tokenizer):
     """arch -> (path, HF model) for a random fp32 checkpoint saved with the SmolLM2 tokenizer."""
     import transformers

@@ -33,13 +33,8 @@ def reader(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF checkpoints")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+def hf_model(smollm2_hf_model):
+    return smollm2_hf_model
 
 
 def test_weights_match_transformers_exactly(reader, hf_model):

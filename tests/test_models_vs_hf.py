@@ -25,16 +25,8 @@ def test_tiny_models_match_hf(tiny_model_factory, arch):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_hf(smol_tokenizer):
-    import torch
-    import transformers
-
-    from kvserve.model.default_model import find_default_gguf
-
-    gguf = find_default_gguf()
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def test_smollm2_matches_hf(smol_tokenizer, smollm2_hf_model):
+    hf_model = smollm2_hf_model
     texts = [
         "The capital of France is",
         "def fibonacci(n):",

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad flags, or no model where one was expected
         print(f"error: {e}", file=sys.stderr)
         return 2
 
