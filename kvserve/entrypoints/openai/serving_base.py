@@ -39,6 +39,14 @@ class ServingBase:
         if model is not None and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
+    def check_request(self, req) -> None:
+        """The model exists (404) and the body's cross-field rules hold (400)."""
+        self.check_model(req.model)
+        try:
+            req.check()
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise APIError(f"{what} needs a tokenizer, and the server runs with --skip-tokenizer-init.", 400)

@@ -57,11 +57,7 @@ class ServingChat(ServingBase):
             raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
-        try:
-            req.check()
-        except ValueError as e:
-            raise APIError(str(e), 400) from None
+        self.check_request(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template, req.chat_template_kwargs)
         token_ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)

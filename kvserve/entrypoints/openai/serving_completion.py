@@ -38,11 +38,7 @@ class _Prompt:
 
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
-        try:
-            req.check()
-        except ValueError as e:
-            raise APIError(str(e), 400) from None
+        self.check_request(req)
         prompts = self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         items = []
