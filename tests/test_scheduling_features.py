@@ -12,12 +12,20 @@ from tests.conftest import hf_greedy, random_prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _generate(path, prompts, **engine_kwargs):
+def _make_llm(path, **engine_kwargs) -> LLM:
     kwargs = dict(max_model_len=512, kv_cache_memory_bytes=32 << 20)
     kwargs.update(engine_kwargs)
-    llm = LLM(path, **kwargs)
+    return LLM(path, **kwargs)
+
+
+def _greedy_tokens(llm: LLM, prompts) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.llm_engine
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _generate(path, prompts, **engine_kwargs):
+    llm = _make_llm(path, **engine_kwargs)
+    return _greedy_tokens(llm, prompts), llm.llm_engine
 
 
 def _shared_prefix_prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
@@ -37,24 +45,18 @@ def test_prefix_caching_same_tokens(llama):
     path, hf_model = llama
     prompts = _shared_prefix_prompts()
     off, _ = _generate(path, prompts, enable_prefix_caching=False)
-    on, engine = _generate(path, prompts, enable_prefix_caching=True)
+    llm = _make_llm(path, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    on = _greedy_tokens(llm, prompts)
     assert on == off == hf_greedy(hf_model, prompts, GREEDY.max_tokens)
     stats = engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_hit_rate > 0
 
     # A second call reuses blocks cached (and since freed) by the first.
     hits_before = stats.prefix_cache_hits
-    llm_outs = [o.outputs[0].token_ids for o in _llm_from_engine(engine).generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
-    assert llm_outs == off
+    assert _greedy_tokens(llm, prompts) == off
     assert engine.get_stats().prefix_cache_hits > hits_before
     assert engine.get_stats().kv_cache_usage == 0.0
-
-
-def _llm_from_engine(engine):
-    llm = LLM.__new__(LLM)
-    llm.llm_engine = engine
-    return llm
 
 
 def test_prefix_hit_within_one_step(llama):

@@ -35,6 +35,11 @@ class _Prompt:
         self.finish: dict[int, tuple[str | None, object]] = {}
         self.prompt_logprobs = None
 
+    def keep_prompt_logprobs(self, out) -> None:
+        # They arrive once, with the first output of the request.
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
+
 
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request):
@@ -99,8 +104,7 @@ class ServingCompletion(ServingBase):
         try:
             async for i, out in merged(streams):
                 p = prompts[i]
-                if out.prompt_logprobs is not None and p.prompt_logprobs is None:
-                    p.prompt_logprobs = out.prompt_logprobs
+                p.keep_prompt_logprobs(out)
                 for c in out.outputs:
                     p.texts[c.index] = p.texts.get(c.index, "") + c.text
                     p.tokens.setdefault(c.index, []).extend(c.token_ids)
@@ -141,8 +145,7 @@ class ServingCompletion(ServingBase):
         try:
             async for i, out in merged(streams):
                 p = prompts[i]
-                if out.prompt_logprobs is not None and p.prompt_logprobs is None:
-                    p.prompt_logprobs = out.prompt_logprobs
+                p.keep_prompt_logprobs(out)
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if not c.text and c.finish_reason is None and not (req.echo and c.index not in p.started):
