@@ -103,6 +103,7 @@ def parity(results: dict) -> bool:
         return tokens
 
     triton_graphs = run(attention_backend="triton")
+    triton_graphs_sync = run(attention_backend="triton", async_scheduling=False)
     triton_eager = run(attention_backend="triton", enforce_eager=True)
     torch_eager = run(attention_backend="torch", enforce_eager=True)
     rows = []
@@ -114,54 +115,109 @@ def parity(results: dict) -> bool:
         "vs_hf": rows,
         "identical_vs_hf": sum(r["identical"] for r in rows),
         "graphs_equal_eager": triton_graphs == triton_eager,
+        "async_equal_sync": triton_graphs == triton_graphs_sync,
         "triton_equal_torch_backend": triton_eager == torch_eager,
     }
     print("parity:", json.dumps(results["parity"]), flush=True)
     splits_are_ties = all(r["identical"] or r["hf_top2_logit_margin_at_split"] < 0.25 for r in rows)
-    return triton_graphs == triton_eager and splits_are_ties
+    return triton_graphs == triton_eager == triton_graphs_sync and splits_are_ties
 
 
 # ---- 2-4. speed ----------------------------------------------------------------------------------
 class StepTimer:
-    """Wraps an engine's step to split wall time into scheduling, the runner (incl. GPU wait) and update."""
+    """Splits an engine's wall time per step into scheduling, launching (input build + kernel launches),
+    waiting for the GPU (reading a step's sampled ids back) and the scheduler update; the rest of a step
+    is output processing. With async scheduling, waiting is time the GPU is busy and the host is not."""
 
     def __init__(self, engine):
-        self.engine = engine
-        self.sched = self.run = self.update = 0.0
+        from kvserve.worker.runner_output import PendingOutput
+
+        self.sched = self.launch = self.wait = self.update = 0.0
         self.steps = 0
         sched, runner = engine.scheduler, engine.runner
-        orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute, sched.update
+        orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute_async, sched.update
+        orig_result = PendingOutput.result
 
         def schedule():
             t = time.perf_counter(); r = orig_schedule(); self.sched += time.perf_counter() - t; self.steps += 1
             return r
 
-        def execute(out):
-            t = time.perf_counter(); r = orig_execute(out); self.run += time.perf_counter() - t
+        def execute_async(out):
+            t = time.perf_counter(); r = orig_execute(out); self.launch += time.perf_counter() - t
+            return r
+
+        def result(pending):
+            t = time.perf_counter(); r = orig_result(pending); self.wait += time.perf_counter() - t
             return r
 
         def update(out, sampled):
             t = time.perf_counter(); r = orig_update(out, sampled); self.update += time.perf_counter() - t
             return r
 
-        sched.schedule, runner.execute, sched.update = schedule, execute, update
+        sched.schedule, runner.execute_async, sched.update = schedule, execute_async, update
+        PendingOutput.result = result
+        self.restore = lambda: setattr(PendingOutput, "result", orig_result)
+
+
+def triton_variants() -> int:
+    """Compiled variants of our Triton kernels so far: a timed run should add none (JIT costs ~1 s each)."""
+    from triton.runtime.jit import JITFunction
+
+    from kvserve.ops import fused_kernels, triton_attention
+
+    total = 0
+    for module in (triton_attention, fused_kernels):
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                total += sum(len(caches[0]) for caches in fn.device_caches.values())
+    return total
+
+
+def count_host_syncs(llm) -> str:
+    """Runs 32 decode steps of 8 requests under torch's sync debug mode: any hidden device-to-host sync
+    (an .item(), a pageable copy) breaks the overlap of host and GPU work."""
+    import warnings
+
+    engine = llm.llm_engine
+    for i in range(8):
+        engine.add_request(f"sync{i}", {"prompt_token_ids": [100 + i] * 64}, greedy(40))
+    for _ in range(4):
+        engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(32):
+            engine.step()
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    messages = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    print("host syncs:", len(caught), messages, flush=True)
+    return f"{len(caught)} {messages[:2]}"
 
 
 def run_kvserve(llm, reqs, label, results):
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [greedy(o) for _, o in reqs]
+    # Earlier runs' prompts sit in the prefix cache: every timed run starts from an empty one.
+    assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
     timer = StepTimer(llm.llm_engine)
+    variants = triton_variants()
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
+    timer.restore()
+    variants = triton_variants() - variants
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(o for _, o in reqs), (n_out, sum(o for _, o in reqs))
     res = {"seconds": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
            "steps": timer.steps, "ms_per_step": round(1000 * elapsed / max(timer.steps, 1), 3),
            "schedule_ms_per_step": round(1000 * timer.sched / max(timer.steps, 1), 3),
-           "execute_ms_per_step": round(1000 * timer.run / max(timer.steps, 1), 3),
-           "update_ms_per_step": round(1000 * timer.update / max(timer.steps, 1), 3)}
+           "launch_ms_per_step": round(1000 * timer.launch / max(timer.steps, 1), 3),
+           "gpu_wait_ms_per_step": round(1000 * timer.wait / max(timer.steps, 1), 3),
+           "update_ms_per_step": round(1000 * timer.update / max(timer.steps, 1), 3),
+           "async_scheduling": llm.llm_engine.async_scheduling, "triton_compiles_during_run": variants}
     results[label] = res
     print(label, json.dumps(res), flush=True)
     return outs
@@ -201,6 +257,7 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compare-sync", action="store_true", help="also run batch-1 and W1 with async scheduling off")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -221,12 +278,21 @@ def main():
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager)
     results["start_to_ready_s"] = round(time.perf_counter() - t, 1)
+    results["triton_variants_after_start"] = triton_variants()
     print("start_to_ready_s", results["start_to_ready_s"], flush=True)
     run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
     run_kvserve(llm, [(p, slice_out) for p, _ in reqs[:slice_batch]], "kvserve_slice", results)
     run_kvserve(llm, [batch1_request()], "batch1", results)
     work = reqs[:64] if args.quick else reqs
     run_kvserve(llm, work, "w1", results)
+    results["host_syncs_in_decode"] = count_host_syncs(llm)
+    if args.compare_sync:  # the same engine with async scheduling off, then on again: ratios in one command
+        llm.llm_engine.async_scheduling = False
+        run_kvserve(llm, [batch1_request()], "batch1_sync", results)
+        run_kvserve(llm, work, "w1_sync", results)
+        llm.llm_engine.async_scheduling = True
+        run_kvserve(llm, [batch1_request()], "batch1_again", results)
+        run_kvserve(llm, work, "w1_again", results)
 
     with open(os.path.join(args.out, "gpu_w1.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -242,10 +308,21 @@ def main():
               f"HF generate {results['hf_slice']['output_tok_s']} ({ratio:.2f}x) |")
     w = results["w1"]
     print(f"| W1{' (quick)' if args.quick else ''} output tok/s | {w['output_tok_s']} ({w['seconds']} s) | vLLM 0.26: 10211 (14.85 s) |")
-    print(f"| W1 ms/step: total / schedule / execute / update | {w['ms_per_step']} / {w['schedule_ms_per_step']} / "
-          f"{w['execute_ms_per_step']} / {w['update_ms_per_step']} | |")
+    for key in ("w1", "w1_sync", "w1_again", "batch1", "batch1_sync", "batch1_again"):
+        if key in results:
+            r = results[key]
+            print(f"| {key}: tok/s; ms/step total / schedule / launch / GPU wait / update; JIT compiles | "
+                  f"{r['output_tok_s']}; {r['ms_per_step']} / {r['schedule_ms_per_step']} / {r['launch_ms_per_step']} / "
+                  f"{r['gpu_wait_ms_per_step']} / {r['update_ms_per_step']}; {r['triton_compiles_during_run']} | |")
+    if "w1_sync" in results:
+        print(f"| W1 async / sync scheduling | {w['output_tok_s'] / results['w1_sync']['output_tok_s']:.2f}x | "
+              f"sync {results['w1_sync']['output_tok_s']} |")
     b = results["batch1"]
     print(f"| batch-1 decode tok/s | {b['output_tok_s']} ({b['ms_per_step']} ms/step) | vLLM 0.26: 203 |")
+    if "batch1_sync" in results:
+        print(f"| batch-1 async / sync scheduling | {b['output_tok_s'] / results['batch1_sync']['output_tok_s']:.2f}x | "
+              f"sync {results['batch1_sync']['output_tok_s']} |")
+    print(f"| host syncs in 32 decode steps (beyond the 1 per step) | {results['host_syncs_in_decode']} | |")
     print(f"| start to ready (s) | {results['start_to_ready_s']} | vLLM 0.26: 182 |")
     print(f"| correctness | {'OK' if ok else 'FAILED'} | |")
     raise SystemExit(0 if ok else 1)

@@ -37,6 +37,7 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata={"help": "Most requests in one step.", "group": "Scheduler"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "Token budget of one step (default 8192 with chunked prefill, else max_model_len).", "group": "Scheduler"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "Split long prompts across steps and mix them with decodes.", "group": "Scheduler"})
+    async_scheduling: bool | None = field(default=None, metadata={"help": "Schedule and prepare step N+1 while step N runs, keeping sampled ids on the device (default: on for CUDA, off on CPU).", "group": "Scheduler"})
     # Device and execution
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu.", "group": "Execution"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: triton on CUDA, torch on CPU).", "group": "Execution"})
@@ -104,6 +105,7 @@ class EngineConfig:
     device: str
     dtype: str  # float32 | bfloat16 | float16
     attention_backend: str
+    async_scheduling: bool
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -167,6 +169,7 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             attention_backend=backend,
+            async_scheduling=device == "cuda" if args.async_scheduling is None else args.async_scheduling,
         )
 
 

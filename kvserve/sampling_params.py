@@ -133,6 +133,12 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads the tokens generated so far (penalties, bad words): the host must know them all,
+        so a step for this request is not scheduled before the previous step's tokens are back."""
+        return self.uses_penalties or bool(self.bad_words)
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """EOS and stop_token_ids: what min_tokens keeps from being sampled."""
         return self._all_stop_token_ids

@@ -3,21 +3,30 @@
 A fake model runner keeps a simulated physical KV cache (block id -> slot -> token) so that
 prefix-cache hits, evictions and block-table bookkeeping are checked against the token contents
 each request would actually attend to, not only against the manager's own counters.
+
+Both engine loops are driven. Sync: schedule(N), run, update(N). Async scheduling: schedule(N+1)
+and run it while step N's sampled tokens are still "on the device", then update(N). In async mode a
+scheduled chunk may end in PLACEHOLDER_TOKEN_ID, which the fake runner fills with the token it
+sampled for that request in the previous step, as the real runner does on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvserve.core.block_pool import hash_block_tokens
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 
 ALPHABET = 4  # tokens 0..3: prompts collide often, so prefix hits happen
 EOS = 3
@@ -44,12 +53,21 @@ class Cfg:
     max_model_len: int
     chunked: bool
     caching: bool
+    async_scheduling: bool = False
+
+
+def content_token(rid: str, attended: list[int]) -> int:
+    """A "model" whose next token is a function of what the request attends to: runs that compute the
+    same sequences (sync or async, preempted or not) must sample the same tokens."""
+    return zlib.crc32(bytes(attended)) % ALPHABET
 
 
 class Harness:
-    """Scheduler + KV manager + a fake runner, with every invariant checked after each operation."""
+    """Scheduler + KV manager + a fake runner, with every invariant checked after each operation.
 
-    def __init__(self, cfg: Cfg, seed: int = 0):
+    `token_fn(request_id, tokens attended to)` picks the sampled token; None draws it at random."""
+
+    def __init__(self, cfg: Cfg, seed: int = 0, token_fn: Callable[[str, list[int]], int] | None = None):
         self.cfg = cfg
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching)
         self.sched = Scheduler(
@@ -62,15 +80,25 @@ class Harness:
             self.kv,
         )
         self.rng = random.Random(seed)
+        self.token_fn = token_fn
         self.all: dict[str, Request] = {}  # every accepted request, finished ones included
         self.rejected: list[str] = []
         self.physical: dict[int, list] = {}  # simulated KV: block id -> per-slot token (None = never written)
         self.runner_tables: dict[str, list[int]] = {}  # the runner's view of each block table
+        # Steps scheduled and run whose sampled tokens the scheduler has not seen yet (update pending),
+        # oldest first: empty in sync mode between operations, at most one in async mode.
+        self.unapplied: list[tuple[SchedulerOutput, dict[str, int]]] = []
+        # The runner's copy of the previous step's samples, request id -> (position, token): what a
+        # placeholder is filled from (the real runner keeps the previous sampled tensor on the device).
+        self.last_sampled: dict[str, tuple[int, int]] = {}
         self.last_out: SchedulerOutput | None = None
         self.reported_finished: set[str] = set()
         self.num_steps = 0
+        self.num_placeholders = 0  # tokens computed while their ids were still on the device
         self.budget_steps = 100
         self._next_id = 0
+        self._hash_tokens: dict[bytes, list[int]] = {}  # block hash -> the tokens it was made from
+        self._hashes_seen: dict[int, int] = {}  # id(request) -> its block hashes checked so far
         self.check()
 
     # ---- operations ------------------------------------------------------------------------------
@@ -109,39 +137,32 @@ class Harness:
         assert self.sched.requests[rid] is r
         assert (list(self.sched.waiting), list(self.sched.running)) == before
 
-    def step(self, abort_mid_step: str | None = None) -> SchedulerOutput:
+    def step(self, finish_mid_step: str | None = None, status=RequestStatus.FINISHED_ABORTED) -> SchedulerOutput:
+        """One engine iteration. `finish_mid_step` is aborted (or stopped by a stop string) after the
+        batch ran but before results are applied: in async mode, before the previous step's update."""
         had_work = self.sched.has_unfinished_requests()
         was_running, was_waiting = list(self.sched.running), list(self.sched.waiting)
+        before = {id(r): (r.num_computed_tokens, r.num_pending_outputs, r.num_tokens)
+                  for r in was_running + was_waiting}
         out = self.sched.schedule()
         self.last_out = out
         self.num_steps += 1
-        self._check_output(out, had_work, was_running, was_waiting)
-        self._run_model(out)
-        sampled = {s.request_id: self.rng.randrange(ALPHABET) for s in out.scheduled if s.needs_sample}
-        if abort_mid_step is not None and abort_mid_step in self.sched.requests:
-            # An abort that lands after the batch ran but before its results are applied.
-            self.sched.finish_requests([abort_mid_step], RequestStatus.FINISHED_ABORTED)
-        before = {s.request_id: (self.all[s.request_id].num_computed_tokens, self.all[s.request_id].num_output_tokens)
-                  for s in out.scheduled}
-        touched = self.sched.update(out, sampled)
-        for s in out.scheduled:
-            r = self.all[s.request_id]
-            computed, n_out = before[s.request_id]
-            if r.status == RequestStatus.FINISHED_ABORTED and s.request_id == abort_mid_step:
-                assert r not in touched
-                continue
-            assert r.num_computed_tokens == computed + len(s.token_ids)
-            if s.needs_sample:
-                assert r in touched
-                assert r.num_output_tokens == n_out + 1 and r.output_token_ids[-1] == sampled[s.request_id]
-                assert r.num_computed_tokens == r.num_tokens - 1
-            else:
-                assert r not in touched and r.num_output_tokens == n_out
-        for r in touched:
-            if r.is_finished:
-                self._check_finish_reason(r)
-        self.check()
+        self._check_output(out, had_work, was_running, was_waiting, before)
+        sampled = self._run_model(out)
+        self.unapplied.append((out, sampled))
+        if finish_mid_step is not None and finish_mid_step in self.sched.requests:
+            self.sched.finish_requests([finish_mid_step], status)
+        # Sync: apply this step. Async: apply the previous one and keep this one in flight (an empty
+        # step is applied at once, as the engine does: there is nothing to overlap).
+        keep = 1 if self.cfg.async_scheduling and out.scheduled else 0
+        while len(self.unapplied) > keep:
+            self._apply()
         return out
+
+    def flush(self) -> None:
+        """Apply the step in flight without scheduling another (the engine idles, or needs history)."""
+        assert self.unapplied
+        self._apply()
 
     def abort(self, rid: str, status=RequestStatus.FINISHED_ABORTED) -> None:
         r = self.sched.requests[rid]
@@ -152,26 +173,44 @@ class Harness:
         self.check()
 
     def drain(self) -> None:
-        while self.sched.has_unfinished_requests():
+        # Keep stepping while requests are unfinished or a step's results are still to be applied.
+        while self.sched.has_unfinished_requests() or self.unapplied:
             assert self.num_steps <= self.budget_steps, (
                 f"livelock: {self.num_steps} steps, waiting={[r.request_id for r in self.sched.waiting]}, "
                 f"running={[r.request_id for r in self.sched.running]}"
             )
-            self.step()
+            if self.sched.has_unfinished_requests():
+                self.step()
+            else:
+                self.flush()  # the last step's results (all dropped: their requests finished meanwhile)
+        final = self.step()  # tells the runner about the last finishes
+        assert final.is_empty and not self.unapplied
         self.check_all_done()
 
     def check_all_done(self) -> None:
+        assert not self.unapplied
         assert self.kv.pool.num_free_blocks == self.cfg.num_blocks
         assert self.kv.req_to_blocks == {}
         assert self.sched.requests == {}
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
         for r in self.all.values():
             assert r.is_finished, r
-            assert r.num_output_tokens <= r.sampling_params.max_tokens
+            assert r.num_output_tokens <= self._max_outputs(r)
             assert r.num_tokens <= max(self.cfg.max_model_len, r.num_prompt_tokens + 1)
 
     # ---- the fake runner -------------------------------------------------------------------------
-    def _run_model(self, out: SchedulerOutput) -> None:
+    def _truth(self, r: Request) -> list[int]:
+        """r's tokens, followed by those sampled for it by steps not yet applied (ids the device has)."""
+        toks = r.all_token_ids
+        for out, sampled in self.unapplied:
+            toks += [sampled[s.request_id] for s in out.scheduled if s.request is r and s.needs_sample]
+        return toks
+
+    def _in_flight_samples(self, r: Request) -> int:
+        return sum(1 for out, _ in self.unapplied for s in out.scheduled if s.request is r and s.needs_sample)
+
+    def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+        """Runs the step: K/V writes, placeholders filled, every read checked; returns the sampled tokens."""
         bs = self.cfg.block_size
         for rid in out.finished_req_ids + out.preempted_req_ids:
             self.runner_tables.pop(rid, None)
@@ -188,22 +227,72 @@ class Harness:
             table = self.runner_tables[s.request_id]
             for k, tok in enumerate(s.token_ids):
                 pos = s.start_pos + k
+                if tok == PLACEHOLDER_TOKEN_ID:
+                    # Filled from the previous step's sample for this request, at the position it sampled.
+                    assert not s.is_new, "a new row has no previous sample on the device"
+                    assert s.request_id in self.last_sampled, f"{s.request_id}: placeholder with no sample"
+                    sample_pos, tok = self.last_sampled[s.request_id]
+                    assert sample_pos == pos, (s.request_id, sample_pos, pos)
+                    self.num_placeholders += 1
                 slots = self.physical.setdefault(table[pos // bs], [None] * bs)
                 slots[pos % bs] = tok
+        sampled, self.last_sampled = {}, {}
         for s in out.scheduled:
-            r = self.all[s.request_id]
             end = s.start_pos + len(s.token_ids)
-            assert self._read(self.runner_tables[s.request_id], end) == r.token_ids_slice(0, end), (
-                f"{s.request_id} would attend to wrong K/V"
-            )
+            truth = self._truth(s.request)  # known tokens + those sampled by the step in flight
+            attended = self._read(self.runner_tables[s.request_id], end)
+            assert len(truth) >= end and attended == truth[:end], f"{s.request_id} would attend to wrong K/V"
+            if s.needs_sample:
+                tok = self.token_fn(s.request_id, attended) if self.token_fn else self.rng.randrange(ALPHABET)
+                sampled[s.request_id] = tok
+                self.last_sampled[s.request_id] = (end, tok)
+        return sampled
 
     def _read(self, table: list[int], n: int) -> list:
         bs = self.cfg.block_size
         return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
 
+    def _apply(self) -> None:
+        """scheduler.update() on the oldest unapplied step, checking exactly what it changes."""
+        out, sampled = self.unapplied[0]
+        snap = {id(r): (r.num_computed_tokens, r.num_pending_outputs, list(r.output_token_ids), r.status)
+                for r in self.all.values()}
+        touched = self.sched.update(out, sampled)
+        self.unapplied.pop(0)
+        # Results of requests that finished (or were aborted) since scheduling are dropped.
+        expected = [s.request for s in out.scheduled if s.needs_sample and not snap[id(s.request)][3].is_finished]
+        assert [id(r) for r in touched] == [id(r) for r in expected]
+        applied = {id(r) for r in expected}
+        for r in self.all.values():
+            computed, pending, outputs, status = snap[id(r)]
+            assert r.num_computed_tokens == computed  # counted at schedule time, never by update
+            if id(r) not in applied:
+                assert (r.num_pending_outputs, r.output_token_ids, r.status) == (pending, outputs, status)
+                continue
+            assert r.num_pending_outputs == pending - 1
+            assert r.output_token_ids == outputs + [sampled[r.request_id]]
+            if r.is_finished:
+                self._check_finish_reason(r)
+            else:
+                assert r.status == status  # running stays running, preempted stays waiting
+            if r.status == RequestStatus.RUNNING:
+                # All but the newest token (known or in flight) is computed.
+                assert r.num_computed_tokens == r.num_tokens + r.num_pending_outputs - 1
+        self.check()
+
     # ---- checks ----------------------------------------------------------------------------------
+    def _max_outputs(self, r: Request) -> int:
+        """Outputs at which a request is length-capped: max_tokens, or max_model_len (at least one token)."""
+        return min(r.sampling_params.max_tokens, max(1, self.cfg.max_model_len - r.num_prompt_tokens))
+
+    def _certain_to_finish(self, r: Request, pending: int) -> bool:
+        """Its tokens in flight reach a length cap: scheduling it again would compute a wasted token."""
+        return pending > 0 and (r.num_output_tokens + pending >= r.sampling_params.max_tokens
+                                or r.num_tokens + pending >= self.cfg.max_model_len)
+
     def _check_output(
-        self, out: SchedulerOutput, had_work: bool, was_running: list[Request], was_waiting: list[Request]
+        self, out: SchedulerOutput, had_work: bool, was_running: list[Request], was_waiting: list[Request],
+        before: dict[int, tuple[int, int, int]],
     ) -> None:
         c = self.cfg
         # Every request finished since the previous step is reported to the runner exactly once.
@@ -218,9 +307,14 @@ class Harness:
         assert len(out.scheduled) <= c.max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == len(ids), "request scheduled twice in one step"
-        # Progress: any unfinished work means something is scheduled (no empty step, no deadlock).
-        if had_work:
-            assert out.scheduled, "unfinished requests but nothing scheduled"
+        # Progress: unfinished work means something is scheduled (no empty step, no deadlock), except
+        # in async mode when every running request's length cap is already in flight: the pending
+        # update finishes them (it must change something, or the next schedule is empty again).
+        if had_work and not out.scheduled:
+            assert c.async_scheduling, "unfinished requests but nothing scheduled"
+            assert all(self._certain_to_finish(r, r.num_pending_outputs) for r in self.sched.running)
+            live = list(self.sched.waiting) + self.sched.running
+            assert any(r.num_pending_outputs for r in live), "nothing scheduled and nothing in flight: livelock"
         # Running requests come first, then admissions; no admissions in a step that preempted.
         flags = [s.is_new for s in out.scheduled]
         assert flags == sorted(flags)
@@ -238,17 +332,51 @@ class Harness:
         # Admission is first come, first served: the admitted ones are a prefix of the waiting queue.
         admitted = [s.request_id for s in out.scheduled if s.is_new]
         assert admitted == [r.request_id for r in was_waiting[: len(admitted)]]
+        # A running request is skipped only when the budget ran out or its length cap is in flight.
+        scheduled_ids = {id(s.request) for s in out.scheduled}
+        if sum(n for s, n in zip(out.scheduled, lens) if not s.is_new) < c.max_num_batched_tokens:
+            for r in self.sched.running:
+                if r in was_running and id(r) not in scheduled_ids:
+                    assert self._certain_to_finish(r, before[id(r)][1]), f"{r.request_id} starved"
+        # Requests not scheduled are untouched, but for preemption dropping the computed K/V.
+        for r in was_running + was_waiting:
+            if id(r) in scheduled_ids:
+                continue
+            computed, pending, _ = before[id(r)]
+            if r.request_id in out.preempted_req_ids:
+                assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0
+            else:
+                assert r.num_computed_tokens == computed
+            assert r.num_pending_outputs == pending
         for s in out.scheduled:
             r = self.all[s.request_id]
+            assert s.request is r
             assert r.status == RequestStatus.RUNNING
-            assert s.start_pos == r.num_computed_tokens
-            assert s.token_ids == r.token_ids_slice(s.start_pos, s.start_pos + len(s.token_ids))
-            assert s.start_pos + len(s.token_ids) <= r.num_tokens
-            assert s.needs_sample == (s.start_pos + len(s.token_ids) == r.num_tokens)
-            assert s.output_len == r.num_output_tokens
-            assert len(self.kv.block_ids(s.request_id)) * c.block_size >= s.start_pos + len(s.token_ids)
+            computed, pending, num_tokens = before[id(r)]
+            assert r.num_tokens == num_tokens
+            # Only the step being applied next can be in flight (none in sync mode).
+            assert pending <= (1 if c.async_scheduling else 0)
+            end = s.start_pos + len(s.token_ids)
+            if s.is_new:
+                # Admitted from the queue, where nothing is computed; a request preempted while a
+                # step was in flight waits for that step's update before it is admitted again.
+                assert computed == 0 and pending == 0
+            else:
+                assert s.start_pos == computed
+            assert r.num_computed_tokens == end  # computed counts advance at schedule time
+            # Known ids up to num_tokens, then a placeholder for each token sampled but not yet applied.
+            known = max(s.start_pos, min(end, r.num_tokens))
+            assert s.token_ids[: known - s.start_pos] == r.token_ids_slice(s.start_pos, known)
+            assert s.token_ids[known - s.start_pos:] == [PLACEHOLDER_TOKEN_ID] * (end - known)
+            assert end <= r.num_tokens + pending
+            assert s.needs_sample == (end == r.num_tokens + pending)
+            assert r.num_pending_outputs == pending + s.needs_sample
+            assert s.output_len == r.num_output_tokens + pending  # outputs the sample at this step follows
+            assert not self._certain_to_finish(r, pending), f"{r.request_id} scheduled past its length cap"
+            assert end <= c.max_model_len
+            assert len(self.kv.block_ids(s.request_id)) * c.block_size >= end
             # No more blocks than needed for what will be computed.
-            assert len(self.kv.block_ids(s.request_id)) == cdiv(s.start_pos + len(s.token_ids), c.block_size)
+            assert len(self.kv.block_ids(s.request_id)) == cdiv(end, c.block_size)
             if not c.chunked:
                 # Without chunked prefill a prompt (or a resumed request) is computed in one go.
                 assert s.needs_sample
@@ -257,11 +385,16 @@ class Harness:
             if s.is_new and c.caching:
                 assert s.start_pos % c.block_size == 0 and s.start_pos < r.num_tokens
 
+    def _stops_on_eos(self, r: Request) -> bool:
+        return not r.sampling_params.ignore_eos and r.eos_token_id is not None
+
     def _check_finish_reason(self, r: Request) -> None:
         p = r.sampling_params
         if r.status == RequestStatus.FINISHED_STOPPED:
-            assert not p.ignore_eos and r.eos_token_id is not None and r.output_token_ids[-1] == EOS
+            assert self._stops_on_eos(r) and r.output_token_ids[-1] == EOS
         elif r.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            # Exactly the cap: as many tokens as a sync run gives (an ignore_eos request always ends so).
+            assert r.num_output_tokens == self._max_outputs(r)
             assert r.num_output_tokens == p.max_tokens or r.num_tokens >= self.cfg.max_model_len
         else:
             raise AssertionError(f"unexpected status {r.status!r}")
@@ -275,12 +408,21 @@ class Harness:
         assert len({id(r) for r in waiting}) == len(waiting) and len({id(r) for r in running}) == len(running)
         live = {r.request_id for r in waiting} | {r.request_id for r in running}
         assert live == set(sched.requests)
+        assert all(sched.requests[r.request_id] is r for r in waiting + running)
         # Every block is either free or held by some request table.
         held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
         assert kv.pool.num_free_blocks + len(held) == c.num_blocks
         assert set(kv.pool._free).isdisjoint(held)
         # Only running requests hold blocks (waiting/preempted/finished ones hold none).
         assert set(kv.req_to_blocks) <= {r.request_id for r in running}
+        assert len(self.unapplied) <= (1 if c.async_scheduling else 0)
+        for r in waiting + running:
+            # One pending output per step in flight that samples it: 0 or 1 between operations.
+            assert r.num_pending_outputs == self._in_flight_samples(r) <= 1
+            # Never sampled past a length cap, counting the tokens in flight.
+            assert r.num_output_tokens + r.num_pending_outputs <= self._max_outputs(r)
+            if self._stops_on_eos(r):
+                assert EOS not in r.output_token_ids  # it would have stopped
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0
@@ -289,18 +431,33 @@ class Harness:
             assert r.status == RequestStatus.RUNNING
             table = kv.block_ids(r.request_id)
             assert len(table) * c.block_size >= r.num_computed_tokens and table
-            assert r.num_computed_tokens < r.num_tokens  # always something left to schedule
+            # Always something left to compute: at least the newest token (known or in flight).
+            assert r.num_computed_tokens < r.num_tokens + r.num_pending_outputs
+            if r.num_pending_outputs:
+                assert r.num_computed_tokens == r.num_tokens + r.num_pending_outputs - 1
             assert r.num_computed_tokens <= c.max_model_len
-            # The K/V this request has computed is really there, untouched by anyone else.
-            assert self._read(table, r.num_computed_tokens) == r.token_ids_slice(0, r.num_computed_tokens)
+            # The K/V this request has computed is really there, untouched by anyone else (tokens in
+            # flight included: the runner filled them in from the device).
+            assert self._read(table, r.num_computed_tokens) == self._truth(r)[: r.num_computed_tokens]
         for rid, r in self.all.items():
             if r.is_finished:
                 assert rid not in sched.requests and rid not in kv.req_to_blocks
                 assert r not in sched.waiting and r not in sched.running
-            assert r.num_output_tokens <= r.sampling_params.max_tokens
+                if self._stops_on_eos(r):
+                    assert EOS not in r.output_token_ids[:-1]  # nothing appended after the stop
+            assert r.num_output_tokens <= self._max_outputs(r)
         # Every published prefix-cache entry holds the tokens its hash chain was made from.
+        bs = c.block_size
+        for r in self.all.values():
+            hashes, seen = r.block_hashes, self._hashes_seen.get(id(r), 0)
+            for i in range(seen, len(hashes)):
+                toks = r.token_ids_slice(i * bs, (i + 1) * bs)
+                assert len(toks) == bs and hash_block_tokens(hashes[i - 1] if i else None, toks) == hashes[i]
+                self._hash_tokens[hashes[i]] = toks
+            self._hashes_seen[id(r)] = len(hashes)
         for block_hash, block_id in kv.pool._cached.items():
             assert kv.pool.blocks[block_id].block_hash == block_hash
+            assert self.physical.get(block_id) == self._hash_tokens[block_hash], f"cached block {block_id}"
         assert sched.num_preemptions == sum(r.num_preemptions for r in self.all.values())
 
 
@@ -321,7 +478,9 @@ def configs(draw):
     lo = max_num_seqs if chunked else max(max_num_seqs, max_model_len)
     max_num_batched_tokens = draw(st.integers(lo, lo + 24), label="max_num_batched_tokens")
     caching = draw(st.booleans(), label="caching")
-    return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching)
+    async_scheduling = draw(st.booleans(), label="async_scheduling")
+    return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
+               async_scheduling)
 
 
 def tokens(min_size: int, max_size: int):
@@ -396,6 +555,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             self.h.step()
 
+    # In async mode every rule below lands between a step's schedule and its update.
     @precondition(lambda self: self.h is not None and self.h.sched.requests)
     @rule(data=st.data())
     def abort(self, data):
@@ -409,10 +569,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.abort(rid, RequestStatus.FINISHED_STOPPED)
 
     @precondition(lambda self: self.h is not None and self.h.sched.running)
-    @rule(data=st.data())
-    def step_with_mid_step_abort(self, data):
+    @rule(data=st.data(), stop=st.booleans())
+    def step_with_mid_step_finish(self, data, stop):
+        """A finish that lands after the batch ran, before results are applied (async: before the
+        previous step's update, with this step already computing for the request)."""
         rid = data.draw(st.sampled_from(sorted(r.request_id for r in self.h.sched.running)), label="mid")
-        self.h.step(abort_mid_step=rid)
+        status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
+        self.h.step(finish_mid_step=rid, status=status)
+
+    @precondition(lambda self: self.h is not None and self.h.unapplied)
+    @rule()
+    def apply_in_flight_step(self):
+        """Async: the engine applies the step in flight before scheduling the next one (it idles, or a
+        request needs its full history), so sync-like and overlapped steps mix."""
+        self.h.flush()
 
     @precondition(lambda self: self.h is not None and self.h.sched.requests)
     @rule(data=st.data())
@@ -438,7 +608,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=400,  # about half of them async (configs() draws the mode)
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -622,3 +792,196 @@ def test_request_id_reusable_after_finish():
     assert new.is_finished and old.num_output_tokens == 1 and new.num_output_tokens == 1
     h.kv.check_invariants()
     assert h.kv.pool.num_free_blocks == cfg.num_blocks
+
+
+# ---- async scheduling -------------------------------------------------------------------------------
+
+
+def _async(cfg: Cfg) -> Cfg:
+    return dataclasses.replace(cfg, async_scheduling=True)
+
+
+def _run_workload(cfg: Cfg, first: list, later: list, later_after: int = 3) -> tuple[Harness, dict]:
+    """Runs (prompt, max_tokens, ignore_eos) requests with the content-determined "model"; `later` arrive
+    after a few steps. Returns the harness and each request's (output tokens, final status)."""
+    h = Harness(cfg, token_fn=content_token)
+    for prompt, max_tokens, ignore_eos in first:
+        h.add(prompt, max_tokens, ignore_eos, use_eos=True)
+    for _ in range(later_after):
+        h.step()
+    for prompt, max_tokens, ignore_eos in later:
+        h.add(prompt, max_tokens, ignore_eos, use_eos=True)
+    h.drain()
+    return h, {rid: (r.output_token_ids, r.status) for rid, r in h.all.items()}
+
+
+def _check_same_tokens(cfg: Cfg, first: list, later: list = ()) -> tuple[Harness, Harness]:
+    sync_h, sync_out = _run_workload(dataclasses.replace(cfg, async_scheduling=False), first, list(later))
+    async_h, async_out = _run_workload(_async(cfg), first, list(later))
+    assert async_out == sync_out
+    for r in async_h.all.values():
+        if r.sampling_params.ignore_eos:
+            assert r.num_output_tokens == async_h._max_outputs(r)  # min(max_tokens, max_model_len - prompt)
+    return sync_h, async_h
+
+
+@st.composite
+def workloads(draw):
+    cfg = draw(configs())
+    pool = draw(st.lists(tokens(1, cfg.max_model_len), min_size=1, max_size=3), label="prompt_pool")
+
+    def requests(max_size):
+        # Prompts from a small pool, some extended: prefix hits; the rest of the limits are the config's.
+        return draw(st.lists(st.tuples(st.sampled_from(pool), tokens(0, 6), st.integers(1, 10), st.booleans())
+                             .map(lambda t: ((t[0] + t[1])[: cfg.max_model_len], t[2], t[3])),
+                             min_size=1, max_size=max_size))
+
+    return cfg, requests(6), requests(3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_async_gives_the_same_tokens_as_sync(workload):
+    """Sampled tokens depend only on what each request attends to, so both loops must agree exactly,
+    stops on EOS included, whatever preemption, chunking and prefix hits each of them went through."""
+    cfg, first, later = workload
+    _check_same_tokens(cfg, first, later)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("caching", [True, False])
+def test_async_same_tokens_with_preemption_chunks_and_prefix_hits(chunked, caching):
+    budget = 6 if chunked else 20
+    cfg = Cfg(num_blocks=10, block_size=2, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=20,
+              chunked=chunked, caching=caching)
+    shared = [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    first = [(shared + [i % ALPHABET], 8, True) for i in range(4)] + [(shared[:5], 30, True), ([2, 2], 3, False)]
+    later = [(shared + [3, 3], 5, True), (shared[:4], 9, True)]
+    sync_h, async_h = _check_same_tokens(cfg, first, later)
+    for h in (sync_h, async_h):
+        assert h.sched.num_preemptions > 0
+        if caching:
+            assert h.kv.prefix_cache_stats.hits > 0
+    # Async steps really overlapped: chunks computed tokens sampled by the step still in flight.
+    assert async_h.num_placeholders > 0 and sync_h.num_placeholders == 0
+
+
+def _sched(num_blocks=16, block_size=2, max_num_seqs=4, budget=16, max_model_len=32, caching=True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=max_model_len),
+                     KVCacheManager(num_blocks, block_size, enable_caching=caching))
+
+
+def test_async_decode_computes_the_token_in_flight():
+    sched = _sched()
+    r = Request("a", [0, 1, 2], Params(3))
+    sched.add_request(r)
+    out1 = sched.schedule()
+    (s1,) = out1.scheduled
+    assert s1.token_ids == [0, 1, 2] and s1.needs_sample and s1.output_len == 0
+    assert r.num_computed_tokens == 3 and r.num_pending_outputs == 1
+    out2 = sched.schedule()  # before out1's token is known: the runner fills in the placeholder
+    (s2,) = out2.scheduled
+    assert s2.token_ids == [PLACEHOLDER_TOKEN_ID] and s2.start_pos == 3 and s2.needs_sample and s2.output_len == 1
+    assert r.num_computed_tokens == 4 and r.num_pending_outputs == 2 and r.num_tokens == 3
+    assert sched.update(out1, {"a": 1}) == [r]
+    assert r.output_token_ids == [1] and r.num_pending_outputs == 1 and r.num_computed_tokens == 4
+    out3 = sched.schedule()  # the third token is the last one allowed: sampled, then nothing more
+    (s3,) = out3.scheduled
+    assert s3.token_ids == [PLACEHOLDER_TOKEN_ID] and s3.start_pos == 4 and s3.output_len == 2
+    sched.update(out2, {"a": 2})
+    out4 = sched.schedule()
+    assert out4.is_empty and r.num_pending_outputs == 1 and sched.has_unfinished_requests()
+    sched.update(out3, {"a": 0})
+    assert r.output_token_ids == [1, 2, 0] and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert sched.schedule().finished_req_ids == ["a"]
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_async_never_schedules_past_max_tokens_or_max_model_len(max_tokens):
+    for max_model_len in (8, 5 + max_tokens):  # capped by max_model_len, then by max_tokens
+        cfg = Cfg(num_blocks=16, block_size=2, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=max_model_len, chunked=True, caching=False, async_scheduling=True)
+        h = Harness(cfg)
+        r = h.add([0, 1, 2, 0, 1], max_tokens=max_tokens, ignore_eos=True, use_eos=False)
+        computing_steps = 0
+        while r.num_output_tokens + r.num_pending_outputs < h._max_outputs(r):
+            assert h.num_steps < 20, "no progress"
+            computing_steps += bool(h.step().scheduled)
+        assert computing_steps == h._max_outputs(r)  # one step per token, and no wasted step after
+        assert not h.step().scheduled  # its last token is in flight: nothing to compute
+        h.drain()
+        assert r.num_output_tokens == h._max_outputs(r) and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_async_result_of_aborted_request_is_dropped_even_if_its_id_is_reused():
+    sched = _sched()
+    old = Request("x", [0, 1, 2], Params(4))
+    sched.add_request(old)
+    out1 = sched.schedule()
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)  # while step 1 runs
+    new = Request("x", [0, 1, 2, 3, 0], Params(2))
+    sched.add_request(new)
+    out2 = sched.schedule()
+    assert out2.finished_req_ids == ["x"] and out2.scheduled[0].is_new
+    assert sched.update(out1, {"x": 1}) == []  # old "x"'s token: not new "x"'s
+    assert old.output_token_ids == [] and new.output_token_ids == [] and new.num_pending_outputs == 1
+    assert sched.update(out2, {"x": 2}) == [new] and new.output_token_ids == [2]
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    sched.kv.check_invariants()
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("in_flight_token", [EOS, 0])
+def test_async_request_preempted_while_its_step_is_in_flight(in_flight_token):
+    """B is preempted by step 2 while step 1 (which samples for B) is in flight. Step 1's token then
+    either stops B while it waits (it leaves the queue) or joins what B recomputes on resumption."""
+    sched = _sched(num_blocks=3, block_size=2, max_num_seqs=2, budget=8, max_model_len=6, caching=False)
+    a = Request("a", [0, 1], Params(3))
+    b = Request("b", [0, 2], Params(3, ignore_eos=False), eos_token_id=EOS)
+    sched.add_request(a)
+    sched.add_request(b)
+    out1 = sched.schedule()
+    assert [s.request_id for s in out1.scheduled] == ["a", "b"]
+    out2 = sched.schedule()  # a's decode needs the last free block: b, the newest, is preempted
+    assert [s.request_id for s in out2.scheduled] == ["a"] and out2.preempted_req_ids == ["b"]
+    assert list(sched.waiting) == [b] and b.num_pending_outputs == 1 and b.num_computed_tokens == 0
+    sched.update(out1, {"a": 1, "b": in_flight_token})
+    assert b.output_token_ids == [in_flight_token] and b.num_pending_outputs == 0
+    if in_flight_token == EOS:
+        assert b.status == RequestStatus.FINISHED_STOPPED and not sched.waiting and "b" not in sched.requests
+        assert sched.schedule().finished_req_ids == ["b"]
+    else:
+        assert list(sched.waiting) == [b] and b.status == RequestStatus.PREEMPTED
+        out3 = sched.schedule()
+        assert [s.request_id for s in out3.scheduled] == ["a"]  # no room for b while a runs
+        sched.update(out2, {"a": 2})
+        assert sched.schedule().is_empty  # a's last token is in flight; b still does not fit
+        sched.update(out3, {"a": 0})
+        assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        (s,) = sched.schedule().scheduled  # b resumes: its prompt and the token sampled in flight
+        assert s.request_id == "b" and s.is_new and s.start_pos == 0 and s.token_ids == [0, 2, in_flight_token]
+    sched.kv.check_invariants()
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED])
+def test_async_finish_between_schedule_and_update(status):
+    """A stop string or an abort lands while a step computes for the request: its result is dropped,
+    its blocks are freed once, and the runner hears of it in the next step."""
+    cfg = Cfg(num_blocks=8, block_size=2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16,
+              chunked=True, caching=True, async_scheduling=True)
+    h = Harness(cfg, seed=3)
+    a = h.add([0, 1, 2], max_tokens=6, ignore_eos=True, use_eos=False)
+    b = h.add([1, 2, 3], max_tokens=6, ignore_eos=True, use_eos=False)
+    h.step()
+    h.step()  # a and b each have a step in flight, the previous one applied
+    assert a.num_pending_outputs == b.num_pending_outputs == 1 and a.num_output_tokens == 1
+    h.step(finish_mid_step=a.request_id, status=status)  # after step 3 was scheduled, before step 2's update
+    assert a.status == status and a.num_output_tokens == 1 and a.num_pending_outputs == 2
+    h.abort(b.request_id, status)  # after step 3's schedule, before its update
+    assert b.num_output_tokens == 2
+    out = h.step()
+    assert out.is_empty and set(out.finished_req_ids) == {a.request_id, b.request_id}
+    h.drain()
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 2

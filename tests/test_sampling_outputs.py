@@ -19,16 +19,31 @@ def engine(tiny_model_factory):
     return LLM(tiny_model_factory("llama")[0], max_model_len=256, kv_cache_memory_bytes=8 << 20).llm_engine
 
 
-@pytest.fixture
-def script(engine, monkeypatch):
-    """script(request_id -> token ids): each step, a sampling request gets its next scripted token."""
+class _Ready:
+    def __init__(self, result: RunnerOutput):
+        self._result = result
+
+    def result(self) -> RunnerOutput:
+        return self._result
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def script(engine, monkeypatch, request):
+    """script(request_id -> token ids): each step, a sampling request gets its next scripted token.
+    Run with async scheduling off and on: with it on, stops are found one step after the next was scheduled."""
     scripts: dict[str, list[int]] = {}
 
-    def execute(out):
-        return RunnerOutput(sampled={
-            s.request_id: scripts[s.request_id][s.output_len] for s in out.scheduled if s.needs_sample})
+    def execute_async(out):
+        # output_len counts tokens still in flight, so it indexes the script correctly in both modes. Past
+        # the script's end (async: a step scheduled before the stop was seen) any token will do: it is dropped.
+        def next_token(s):
+            tokens = scripts[s.request_id]
+            return tokens[s.output_len] if s.output_len < len(tokens) else 0
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+        return _Ready(RunnerOutput(sampled={s.request_id: next_token(s) for s in out.scheduled if s.needs_sample}))
+
+    monkeypatch.setattr(engine, "async_scheduling", request.param)
+    monkeypatch.setattr(engine.runner, "execute_async", execute_async)
     return scripts
 
 

@@ -47,8 +47,11 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # Tokens whose K/V are in the cache (prefix hits count as computed).
+    # Tokens whose K/V are in the cache, or are being written by a step in flight (prefix hits count).
     num_computed_tokens: int = 0
+    # Async scheduling: tokens sampled by a step still in flight, whose ids the host does not know yet.
+    # The next step can already compute them: the model runner reads their ids on the device.
+    num_pending_outputs: int = 0
     # Chained hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
@@ -69,6 +72,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def certain_to_finish(self) -> bool:
+        """Whether the pending tokens reach max_tokens or max_model_len: no need to schedule another step."""
+        if not self.num_pending_outputs:
+            return False
+        max_tokens = getattr(self.sampling_params, "max_tokens", None)
+        n_out = len(self.output_token_ids) + self.num_pending_outputs
+        if max_tokens is not None and n_out >= max_tokens:
+            return True
+        return self.max_model_len is not None and self.num_tokens + self.num_pending_outputs >= self.max_model_len
 
     @property
     def all_token_ids(self) -> list[int]:

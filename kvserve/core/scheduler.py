@@ -3,6 +3,11 @@
 There is no separate prefill phase: a request has `num_tokens` known tokens and
 `num_computed_tokens` with K/V in the cache, and each step schedules some of the difference
 (a prefill chunk, a whole prompt, or the one newest token of a decode).
+
+Computed counts advance when a step is scheduled, not when it returns, so the next step can be
+scheduled while this one still runs (async scheduling). A token sampled by a step in flight is
+"pending": the next step may already compute it, with PLACEHOLDER_TOKEN_ID standing for the id the
+model runner reads on the device; `update` then fills in the real id.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 
 _WAIT = object()  # admission of this request must wait for another one to progress
+PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
 
 
 @dataclass
@@ -30,7 +36,7 @@ class ScheduledRequest:
     """What the model runner needs for one request in one step."""
 
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step
+    token_ids: list[int]  # the tokens to compute this step (the last may be PLACEHOLDER_TOKEN_ID)
     start_pos: int  # position of token_ids[0] == tokens already in the cache
     new_block_ids: list[int]  # appended to the request's block table
     is_new: bool  # first step since admission/resumption: the runner starts a fresh block table
@@ -40,6 +46,8 @@ class ScheduledRequest:
     # The request's own lists, by reference (no copy): penalties, bad words and prompt logprobs read them.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # The scheduler's own object: its result is dropped if the request ended (or its id was reused) meanwhile.
+    request: Request | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -112,7 +120,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
+            if num_new <= 0 or req.certain_to_finish():  # its last token is in flight: nothing to compute
+                i += 1
+                continue
             new_block_ids = None
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
@@ -137,6 +148,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
+                break
             shared = self._sibling_prefix(req, out) if req.prefix_source_id is not None else None
             if shared is _WAIT:
                 break
@@ -173,26 +186,35 @@ class Scheduler:
         if num_blocks == 0:
             return None
         # Tokens whose K/V the sibling has, or writes in this step (before any attention reads them).
-        end = next((s.start_pos + len(s.token_ids) for s in out.scheduled if s.request_id == src.request_id),
-                   src.num_computed_tokens)
-        if end < num_blocks * bs:
+        if src.num_computed_tokens < num_blocks * bs:
             return _WAIT
         return self.kv.shared_blocks(src.request_id, num_blocks), num_blocks * bs
 
     def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool) -> ScheduledRequest:
+        """The step's view of `req`; its computed count (and pending count, if it samples) advance now."""
         start = req.num_computed_tokens
-        return ScheduledRequest(
+        end = start + num_new
+        token_ids = req.token_ids_slice(start, min(end, req.num_tokens))
+        if end > req.num_tokens:
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - req.num_tokens)
+        needs_sample = end == req.num_tokens + req.num_pending_outputs
+        sched = ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + num_new),
+            token_ids=token_ids,
             start_pos=start,
             new_block_ids=new_block_ids,
             is_new=is_new,
-            needs_sample=start + num_new == req.num_tokens,
+            needs_sample=needs_sample,
             sampling_params=req.sampling_params,
-            output_len=req.num_output_tokens,
+            output_len=req.num_output_tokens + req.num_pending_outputs,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            request=req,
         )
+        req.num_computed_tokens = end
+        if needs_sample:
+            req.num_pending_outputs += 1
+        return sched
 
     def _preempt(self, req: Request) -> None:
         # Recompute mode: drop the K/V; prompt + outputs so far are prefilled again on resumption.
@@ -204,16 +226,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests; returns those touched."""
+        """Append the step's sampled tokens and finish requests; returns those touched."""
         touched = []
         for sched in out.scheduled:
-            req = self.requests.get(sched.request_id)
-            if req is None or req.is_finished:  # aborted after scheduling
+            req = sched.request
+            if req.is_finished or not sched.needs_sample:  # finished or aborted after scheduling
                 continue
-            req.num_computed_tokens += len(sched.token_ids)
+            req.num_pending_outputs -= 1
             token = sampled.get(sched.request_id)
-            if token is None:
-                continue
+            if token is None:  # it could never be scheduled again: fail loudly rather than spin
+                raise KeyError(f"the step sampled no token for {sched.request_id!r}, which needed one")
             req.append_output_token(token)
             if req.check_stop():
                 self._finish(req)
@@ -235,6 +257,8 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last step was in flight
+            self.waiting.remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)

@@ -52,10 +52,14 @@ class RequestAbortedError(RuntimeError):
 class RequestStream:
     """One request's outputs on their way from the engine to their consumer (event-loop side only)."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind, arrival: float):
+    def __init__(self, request_id: str, kind: RequestOutputKind, arrival: float, prompt: str | None = None,
+                 prompt_token_ids: list[int] | None = None):
         self.request_id = request_id
         self.kind = kind
         self.arrival = arrival
+        # Outputs from an engine process arrive without these (see ProcessOutbox): they are put back here.
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -210,7 +214,15 @@ class AsyncEngine:
                 raise ValueError("skip_tokenizer_init is set: give prompts as {'prompt_token_ids': [...]}.")
             # Tokenized here, not on the engine thread, so a long prompt never delays a step.
             prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-        stream = RequestStream(request_id, sampling_params.output_kind, time.time())
+        elif isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str) \
+                and self.tokenizer is not None:
+            prompt = {**prompt, "prompt_token_ids": self.tokenizer.encode(prompt["prompt"])}
+        text, token_ids = None, None
+        if isinstance(prompt, dict):
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        stream = RequestStream(request_id, sampling_params.output_kind, time.time(), text, token_ids)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt, sampling_params))
         try:
@@ -353,7 +365,15 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted after the step was scheduled
                 continue
-            new_prompt, new_generated = self._account(stream, out)
+            try:
+                if out.prompt_token_ids is None:
+                    out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
+                new_prompt, new_generated = self._account(stream, out)
+            except Exception as e:  # noqa: BLE001 - one bad output must not leave every other stream waiting
+                logger.exception("Could not deliver an output of request %s", out.request_id)
+                self.abort(out.request_id)
+                stream.fail(EngineFailedError(f"Could not deliver this request's output: {e}"))
+                continue
             num_prompt += new_prompt
             num_generated += new_generated
             if out.finished:

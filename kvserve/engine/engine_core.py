@@ -12,7 +12,10 @@ building, detokenization) never waits for the server's GIL, and HTTP work never 
 from __future__ import annotations
 
 import logging
+import pickle
+import queue
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,7 +115,42 @@ def run_engine_core_process(args, conn) -> None:
             commands.append(STOP)
         return commands
 
+    outbox = ProcessOutbox(conn)
     try:
-        EngineCore(engine).run(take_commands, conn.send)
-    except (BrokenPipeError, EOFError, OSError):
-        pass  # the server went away mid-send
+        EngineCore(engine).run(take_commands, outbox.publish)
+    finally:
+        outbox.close()
+
+
+class ProcessOutbox:
+    """Sends each step's EngineBatch to the server without ever making the step loop wait for it.
+
+    The batch is pickled here, on the step loop's thread (a consistent snapshot: the next step mutates the
+    objects it came from), and written by a thread of its own: a full pipe (the server busy with HTTP
+    work) then delays the server's view of the outputs, never the next step on the GPU. Outputs leave
+    without their prompt and prompt token ids: the server sent them, it puts them back (hundreds of ids
+    per request per step would otherwise dominate the message)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send_loop, name="kvserve-engine-outbox", daemon=True)
+        self.thread.start()
+
+    def publish(self, batch: EngineBatch) -> None:
+        for out in batch.outputs:
+            out.prompt = None
+            out.prompt_token_ids = None
+        self.queue.put(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_loop(self) -> None:
+        while (data := self.queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (BrokenPipeError, OSError):  # the server went away
+                return
+
+    def close(self) -> None:
+        """Flushes what is queued (the last outputs, then the pipe closes)."""
+        self.queue.put(None)
+        self.thread.join(10)

@@ -1,4 +1,9 @@
-"""The synchronous engine: add requests, then step() until done. One step = schedule, run, update."""
+"""The engine: add requests, then step() until done. One step = schedule, run, update.
+
+With async scheduling (default on CUDA) a step launches step N+1 on the device before it reads back the
+tokens of step N, so the host's scheduling, input building and output processing overlap the GPU's work
+instead of leaving it idle between steps.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from kvserve.config import EngineArgs
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.model.default_model import load_tokenizer
 from kvserve.model.loader import DTYPES
@@ -20,8 +25,16 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.runner_output import PendingOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    sched_out: SchedulerOutput
+    scheduled_time: float
+    pending: PendingOutput
 
 
 @dataclass
@@ -85,6 +98,11 @@ class LLMEngine:
             finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
         )
         self._ids = itertools.count()
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: InFlightStep | None = None
+        # Core ids of live requests whose sampling reads their output history (penalties, bad words):
+        # while any exist, a step waits for the previous step's tokens before scheduling.
+        self._needs_history: set[str] = set()
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -142,6 +160,8 @@ class LLMEngine:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
         self.output_processor.add(request_id, text, token_ids, params, requests, arrival)
+        if params.needs_output_history:
+            self._needs_history.update(added)
         return request_id
 
     def _resolve_params(self, params: SamplingParams) -> None:
@@ -177,18 +197,34 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = []
+        if self._in_flight is not None and self._needs_history:
+            outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
+            self._in_flight = None
         sched_out = self.scheduler.schedule()
-        scheduled_time = time.time()
-        result = self.runner.execute(sched_out)
-        touched = self.scheduler.update(sched_out, result.sampled)
-        return self.output_processor.process(sched_out, result, touched, scheduled_time)
+        if self._needs_history and sched_out.finished_req_ids:
+            self._needs_history.difference_update(sched_out.finished_req_ids)
+        launched = InFlightStep(sched_out, time.time(), self.runner.execute_async(sched_out))
+        if self._in_flight is not None:
+            outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
+            self._in_flight = None
+        if self.async_scheduling and not sched_out.is_empty:
+            self._in_flight = launched
+        else:
+            outputs += self._finish(launched)
+        return outputs
+
+    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        result = step.pending.result()
+        touched = self.scheduler.update(step.sched_out, result.sampled)
+        return self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
 
     def get_stats(self) -> EngineStats:
         pc = self.kv_cache_manager.prefix_cache_stats

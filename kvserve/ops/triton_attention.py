@@ -107,7 +107,8 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+# Block-table width varies per step: not a specialization key, or each new width could compile anew.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     num_reqs, qk_scale,
@@ -175,7 +176,7 @@ def _unified_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,

@@ -13,6 +13,7 @@ import time
 import torch
 
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.worker.step_inputs import fill_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,16 @@ class CudaGraphRunner:
         n = self.max_size
         self.max_blocks = max_blocks_per_seq
         # All graph inputs live in ONE int32 device buffer with fixed regions, so a step's inputs arrive
-        # in a single host-to-device copy: [ids | positions | slots | seq_lens | block tables (n x MB)].
-        self.static = torch.zeros(4 * n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
+        # in a single host-to-device copy: [ids | positions | slots | seq_lens | placeholder index | rows
+        # | block tables (n x MB)]. The placeholder regions are read outside the graph (async scheduling).
+        self.static = torch.zeros(6 * n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.input_ids = self.static[0:n]
         self.positions = self.static[n:2 * n]
         self.slot_mapping = self.static[2 * n:3 * n]
         self.seq_lens = self.static[3 * n:4 * n]
-        self.block_tables = self.static[4 * n:].view(n, max_blocks_per_seq)
+        self.placeholder_index = self.static[4 * n:5 * n]
+        self.placeholder_rows = self.static[5 * n:6 * n]
+        self.block_tables = self.static[6 * n:].view(n, max_blocks_per_seq)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -101,8 +105,10 @@ class CudaGraphRunner:
                 return s
         return None
 
-    def run(self, num_reqs: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Numpy inputs of a decode step -> pinned staging -> one copy -> replay; returns hidden [num_reqs, H]."""
+    def run(self, num_reqs: int, input_ids, positions, slot_mapping, seq_lens, block_tables,
+            placeholders, last_sampled) -> torch.Tensor:
+        """Numpy inputs of a decode step -> pinned staging -> one copy -> replay; returns hidden [num_reqs, H].
+        `placeholders` (flat index, row in last_sampled): input ids still on the device, filled after the copy."""
         bs = self.padded_size(num_reqs)
         n, mb = self.max_size, self.max_blocks
         self.copied.synchronize()  # the previous step's copy out of the staging buffer is done
@@ -116,11 +122,17 @@ class CudaGraphRunner:
         h[2 * n + num_reqs:2 * n + bs] = -1
         h[3 * n:3 * n + num_reqs] = seq_lens
         h[3 * n + num_reqs:3 * n + bs] = 1
-        tables = h[4 * n:4 * n + bs * mb].reshape(bs, mb)
+        index, rows = placeholders
+        k = index.size
+        h[4 * n:4 * n + k] = index
+        h[5 * n:5 * n + k] = rows
+        tables = h[6 * n:6 * n + bs * mb].reshape(bs, mb)
         tables[:num_reqs, :block_tables.shape[1]] = block_tables
         tables[num_reqs:bs, 0] = 0
-        used = 4 * n + bs * mb
+        used = 6 * n + bs * mb
         self.static[:used].copy_(self.host[:used], non_blocking=True)
         self.copied.record()
+        if k:
+            fill_placeholders(self.input_ids, self.placeholder_index[:k], self.placeholder_rows[:k], last_sampled)
         self.graphs[bs].replay()
         return self.outputs[bs][:num_reqs]

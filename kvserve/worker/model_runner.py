@@ -8,60 +8,17 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
-from kvserve.worker.runner_output import PositionLogprobs, RunnerOutput, compute_prompt_logprobs
+from kvserve.worker.runner_output import PendingOutput, RunnerOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
+from kvserve.worker.step_inputs import NO_PLACEHOLDERS, StagingBuffer, StepInputs, fill_placeholders
 
 logger = logging.getLogger(__name__)
-
-
-class StepInputs:
-    """One step's integer inputs, built on the host with numpy and sent in ONE host-to-device copy
-    through a persistent pinned staging buffer (pinning fresh memory each step costs milliseconds)."""
-
-    FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices", "block_tables")
-
-    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device, staging: "StagingBuffer | None" = None):
-        flat = [arrays[f].reshape(-1) for f in self.FIELDS]
-        sizes = [a.size for a in flat]
-        total = sum(sizes)
-        if staging is not None:
-            host = staging.take(total)
-            np.concatenate(flat, out=host.numpy(), casting="unsafe")
-        else:
-            host = torch.from_numpy(np.concatenate(flat).astype(np.int32, copy=False))
-        dev = host.to(device, non_blocking=True)
-        if staging is not None:
-            staging.copy_issued()
-        offset = 0
-        for field_name, size in zip(self.FIELDS, sizes):
-            setattr(self, field_name, dev[offset:offset + size])
-            setattr(self, field_name + "_cpu", host[offset:offset + size])
-            offset += size
-        self.block_tables = self.block_tables.view(arrays["block_tables"].shape)
-
-
-class StagingBuffer:
-    """Pinned host memory reused every step. Before it is overwritten we wait for the previous copy out
-    of it (usually long done: most steps end with a host sync on the sampled tokens)."""
-
-    def __init__(self, size: int):
-        self.buffer = torch.empty(size, dtype=torch.int32).pin_memory()
-        self.copied = torch.cuda.Event()
-
-    def copy_issued(self) -> None:
-        self.copied.record()
-
-    def take(self, n: int) -> torch.Tensor:
-        self.copied.synchronize()
-        if n > self.buffer.numel():
-            self.buffer = torch.empty(2 * n, dtype=torch.int32).pin_memory()
-        return self.buffer[:n]
 
 
 class BlockTables:
@@ -129,6 +86,10 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(config.args.max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
+        # The last step's sampled ids stay on the device: with async scheduling the next step's inputs
+        # hold placeholders for them, filled here by request row without a trip through the host.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_rows: dict[str, int] = {}
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -180,6 +141,7 @@ class ModelRunner:
         inputs, meta = self._build_inputs(
             token_ids=np.zeros(num_tokens, dtype=np.int64), q_lens=q_lens,
             starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
+            placeholders=NO_PLACEHOLDERS,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
@@ -225,19 +187,24 @@ class ModelRunner:
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
         return qsl, positions, slot_mapping
 
-    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows) -> tuple[StepInputs, AttentionMetadata]:
+    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows, placeholders
+                      ) -> tuple[StepInputs, AttentionMetadata]:
         qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
         num_tokens = int(qsl[-1])
         seq_lens = starts + q_lens
         bs = self.block_size
+        placeholder_index, placeholder_rows = placeholders
         inputs = StepInputs(
             dict(
                 input_ids=token_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=qsl,
-                seq_lens=seq_lens, logits_indices=qsl[1:][logits_rows] - 1, block_tables=tables,
+                seq_lens=seq_lens, logits_indices=qsl[1:][logits_rows] - 1, placeholder_index=placeholder_index,
+                placeholder_rows=placeholder_rows, block_tables=tables,
             ),
             self.device,
             self.staging,
         )
+        if placeholder_index.size:
+            fill_placeholders(inputs.input_ids, inputs.placeholder_index, inputs.placeholder_rows, self.last_sampled)
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             query_start_loc=inputs.query_start_loc,
@@ -260,11 +227,23 @@ class ModelRunner:
         token_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
         tables = self.block_tables.gather([s.request_id for s in sched])
         logits_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-        return token_ids, q_lens, starts, tables, logits_rows
+        return token_ids, q_lens, starts, tables, logits_rows, self._placeholders(sched, token_ids)
+
+    def _placeholders(self, sched, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat index in the step's tokens, row in last_sampled) of each token sampled by the step in flight.
+        Only the last token of a request's chunk can be one."""
+        index = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
+        if not index.size:
+            return NO_PLACEHOLDERS
+        qsl_end = np.cumsum(np.fromiter((len(s.token_ids) for s in sched), dtype=np.int64, count=len(sched)))
+        reqs = np.searchsorted(qsl_end, index, side="right")
+        rows = np.fromiter((self.last_sampled_rows[sched[i].request_id] for i in reqs), dtype=np.int64,
+                           count=len(reqs))
+        return index, rows
 
     def prepare_inputs(self, out: SchedulerOutput):
-        token_ids, q_lens, starts, tables, logits_rows = self._host_arrays(out)
-        inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows)
+        token_ids, q_lens, starts, tables, logits_rows, placeholders = self._host_arrays(out)
+        inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows, placeholders)
         return inputs, meta, logits_rows
 
     def _run_decode_graph(self, out: SchedulerOutput):
@@ -277,18 +256,24 @@ class ModelRunner:
         if any(len(s.token_ids) != 1 or getattr(s.sampling_params, "prompt_logprobs", None) is not None
                for s in out.scheduled):
             return None
-        token_ids, q_lens, starts, tables, _ = self._host_arrays(out)
+        token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
         _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-        return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables)
+        return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
+                          placeholders, self.last_sampled)
 
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(out).result()
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> PendingOutput:
+        """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
+        caller can schedule and launch the next step meanwhile."""
         self._update_states(out)
         if out.is_empty:
-            return RunnerOutput()
+            return PendingOutput.empty()
         num_reqs = len(out.scheduled)
         hidden = self._run_decode_graph(out)
         if hidden is not None:
@@ -300,22 +285,18 @@ class ModelRunner:
                 meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
             logits_input = hidden[inputs.logits_indices] if rows else None
-        result = RunnerOutput()
+        prompt_logprobs = {}
         if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
-            result.prompt_logprobs = compute_prompt_logprobs(
+            prompt_logprobs = compute_prompt_logprobs(
                 out.scheduled, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
         if not rows:
-            return result
+            return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
         sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
-        tokens = sampler_out.sampled.tolist()  # the step's one host sync
-        rids = [out.scheduled[i].request_id for i in rows]
-        result.sampled = dict(zip(rids, tokens))
-        if sampler_out.logprobs is not None:
-            ids, lps, ranks = (sampler_out.logprob_token_ids.tolist(), sampler_out.logprobs.tolist(),
-                               sampler_out.sampled_ranks.tolist())
-            for j, i in enumerate(rows):
-                if out.scheduled[i].sampling_params.logprobs is not None:
-                    result.logprobs[rids[j]] = PositionLogprobs([ids[j]], [lps[j]], [ranks[j]])
-        return result
+        scheduled = [out.scheduled[i] for i in rows]
+        rids = [s.request_id for s in scheduled]
+        self.last_sampled = sampler_out.sampled
+        self.last_sampled_rows = {rid: j for j, rid in enumerate(rids)}
+        wants_logprobs = [s.sampling_params.logprobs is not None for s in scheduled]
+        return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)

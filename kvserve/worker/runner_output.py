@@ -34,6 +34,49 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)
 
 
+class PendingOutput:
+    """A launched step's results, still on the device. Their copies to pinned host memory are queued
+    behind the step's kernels at once; `result()` waits for them only (not for later steps queued since)."""
+
+    def __init__(self, rids: list[str], sampler_out, wants_logprobs: list[bool],
+                 prompt_logprobs: dict | None = None):
+        self.rids = rids
+        self.wants_logprobs = wants_logprobs
+        self.prompt_logprobs = prompt_logprobs or {}
+        tensors = [sampler_out.sampled] if sampler_out is not None else []
+        if sampler_out is not None and sampler_out.logprobs is not None:
+            tensors += [sampler_out.logprob_token_ids, sampler_out.logprobs, sampler_out.sampled_ranks]
+        self.event = None
+        if tensors and tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+        self._result: RunnerOutput | None = None
+
+    @classmethod
+    def empty(cls, prompt_logprobs: dict | None = None) -> "PendingOutput":
+        return cls([], None, [], prompt_logprobs)
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+            if self.host:
+                out.sampled = dict(zip(self.rids, self.host[0].tolist()))
+            if len(self.host) > 1:
+                ids, lps, ranks = (t.tolist() for t in self.host[1:])
+                for j, rid in enumerate(self.rids):
+                    if self.wants_logprobs[j]:
+                        out.logprobs[rid] = PositionLogprobs([ids[j]], [lps[j]], [ranks[j]])
+            self._result = out
+        return self._result
+
+
 def prompt_logprob_targets(scheduled, query_start_loc: list[int]) -> list[tuple]:
     """(scheduled request, top-k, first flat token index, first target position, count) for every scheduled
     chunk that holds prompt positions whose next token is still a prompt token."""

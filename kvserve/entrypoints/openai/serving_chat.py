@@ -130,8 +130,8 @@ class ServingChat(ServingBase):
             async for out in stream:
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
-                        continue  # nothing to show yet (text held back by a possible stop string)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue  # nothing new (as vLLM: a step with tokens is a chunk, even with no text yet)
                     lp = None
                     if req.logprobs:
                         lp = {"content": chat_logprobs(list(c.token_ids), list(c.logprobs or []),

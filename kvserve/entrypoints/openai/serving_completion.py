@@ -148,8 +148,9 @@ class ServingCompletion(ServingBase):
                 p.keep_prompt_logprobs(out)
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not (req.echo and c.index not in p.started):
-                        continue  # nothing to show yet (text held back by a possible stop string)
+                    if (not c.text and not c.token_ids and c.finish_reason is None
+                            and not (req.echo and c.index not in p.started)):
+                        continue  # nothing new (as vLLM: a step with tokens is a chunk, even with no text yet)
                     text, logprobs = self._choice_delta(req, p, c)
                     p.texts[c.index] = p.texts.get(c.index, "") + c.text
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
