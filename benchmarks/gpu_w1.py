@@ -173,14 +173,21 @@ def triton_variants() -> int:
     return total
 
 
-def count_host_syncs(llm) -> str:
+def count_host_syncs(llm, sampled: bool = False) -> str:
     """Runs 32 decode steps of 8 requests under torch's sync debug mode: any hidden device-to-host sync
-    (an .item(), a pageable copy) breaks the overlap of host and GPU work."""
+    (an .item(), a pageable copy) breaks the overlap of host and GPU work. `sampled`: temperature, top-k/p,
+    min-p, half of them seeded, with logprobs, instead of greedy."""
     import warnings
+
+    from kvserve import SamplingParams
 
     engine = llm.llm_engine
     for i in range(8):
-        engine.add_request(f"sync{i}", {"prompt_token_ids": [100 + i] * 64}, greedy(40))
+        params = greedy(40)
+        if sampled:
+            params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, max_tokens=40,
+                                    ignore_eos=True, seed=i if i % 2 else None, logprobs=2, detokenize=False)
+        engine.add_request(f"sync{i}", {"prompt_token_ids": [100 + i] * 64}, params)
     for _ in range(4):
         engine.step()
     with warnings.catch_warnings(record=True) as caught:
@@ -258,6 +265,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--compare-sync", action="store_true", help="also run batch-1 and W1 with async scheduling off")
+    ap.add_argument("--sync-check-only", action="store_true", help="only look for hidden host syncs in decode steps")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -279,6 +287,10 @@ def main():
               enforce_eager=args.enforce_eager)
     results["start_to_ready_s"] = round(time.perf_counter() - t, 1)
     results["triton_variants_after_start"] = triton_variants()
+    if args.sync_check_only:
+        for sampled in (False, True):
+            print("sampled" if sampled else "greedy", count_host_syncs(llm, sampled))
+        return
     print("start_to_ready_s", results["start_to_ready_s"], flush=True)
     run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
     run_kvserve(llm, [(p, slice_out) for p, _ in reqs[:slice_batch]], "kvserve_slice", results)
@@ -286,6 +298,7 @@ def main():
     work = reqs[:64] if args.quick else reqs
     run_kvserve(llm, work, "w1", results)
     results["host_syncs_in_decode"] = count_host_syncs(llm)
+    results["host_syncs_in_sampled_decode"] = count_host_syncs(llm, sampled=True)
     if args.compare_sync:  # the same engine with async scheduling off, then on again: ratios in one command
         llm.llm_engine.async_scheduling = False
         run_kvserve(llm, [batch1_request()], "batch1_sync", results)
@@ -322,7 +335,8 @@ def main():
     if "batch1_sync" in results:
         print(f"| batch-1 async / sync scheduling | {b['output_tok_s'] / results['batch1_sync']['output_tok_s']:.2f}x | "
               f"sync {results['batch1_sync']['output_tok_s']} |")
-    print(f"| host syncs in 32 decode steps (beyond the 1 per step) | {results['host_syncs_in_decode']} | |")
+    print(f"| sync-debug warnings in 32 decode steps: greedy / sampled | {results['host_syncs_in_decode']} / "
+          f"{results['host_syncs_in_sampled_decode']} | |")
     print(f"| start to ready (s) | {results['start_to_ready_s']} | vLLM 0.26: 182 |")
     print(f"| correctness | {'OK' if ok else 'FAILED'} | |")
     raise SystemExit(0 if ok else 1)

@@ -16,6 +16,16 @@ from kvserve.worker.sampler import Penalties, SamplingMetadata
 _SAMPLING_EPS = 1e-5  # below this temperature a request is greedy (as SamplingParams.is_greedy)
 
 
+def _on_device(data, dev, dtype=None) -> torch.Tensor:
+    """A host list or array on the device without a host sync: a plain `torch.tensor(..., device=cuda)`
+    copies from pageable memory and waits for the stream, i.e. for the step still running on the GPU,
+    which would undo async scheduling. Pinned memory + a non-blocking copy queue behind it instead."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if torch.device(dev).type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _banned_tokens(params, output_ids: list[int], output_len: int) -> list[int]:
     """Tokens this row may not sample now: stop tokens before min_tokens, and bad-word completions."""
     banned: list[int] = []
@@ -36,7 +46,7 @@ def _row_token_pairs(token_lists: list[list[int]], dev) -> tuple[torch.Tensor, t
     lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
     rows = np.repeat(np.arange(len(token_lists)), lens)
     toks = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
-    pairs = torch.from_numpy(np.stack([rows, toks])).to(dev)
+    pairs = _on_device(np.stack([rows, toks]), dev)
     return pairs[0], pairs[1]
 
 
@@ -49,10 +59,10 @@ def _penalties(rows: list[int], params: list, scheduled: list, vocab: int, dev) 
     if any(p.repetition_penalty != 1 for p in params):
         prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
         prompt_mask[_row_token_pairs([s.prompt_token_ids for s in scheduled], dev)] = True
-    vals = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
-                        dtype=torch.float32, device=dev)
+    vals = _on_device([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params], dev,
+                      torch.float32)
     return Penalties(
-        rows=torch.tensor(rows, dtype=torch.int64, device=dev), presence=vals[:, 0], frequency=vals[:, 1],
+        rows=_on_device(rows, dev, torch.int64), presence=vals[:, 0], frequency=vals[:, 1],
         repetition=vals[:, 2], output_counts=counts, prompt_mask=prompt_mask,
     )
 
@@ -64,8 +74,8 @@ def _logit_edits(scheduled: list, params: list, vocab_size: int, dev) -> dict:
         mask = torch.ones(len(allowed_rows), vocab_size, dtype=torch.bool, device=dev)
         r = [i for i, j in enumerate(allowed_rows) for _ in params[j].allowed_token_ids]
         t = [tok for j in allowed_rows for tok in params[j].allowed_token_ids]
-        mask[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = False
-        edits["disallowed"] = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), mask)
+        mask[_on_device(r, dev, torch.int64), _on_device(t, dev, torch.int64)] = False
+        edits["disallowed"] = (_on_device(allowed_rows, dev, torch.int64), mask)
     ban_rows, ban_toks = [], []
     for j, (p, s) in enumerate(zip(params, scheduled)):
         if (p.min_tokens and s.output_len < p.min_tokens) or p.bad_words:
@@ -73,15 +83,15 @@ def _logit_edits(scheduled: list, params: list, vocab_size: int, dev) -> dict:
             ban_rows.extend([j] * len(toks))
             ban_toks.extend(toks)
     if ban_toks:
-        idx = torch.tensor([ban_rows, ban_toks], dtype=torch.int64, device=dev)
+        idx = _on_device([ban_rows, ban_toks], dev, torch.int64)
         edits["banned"] = (idx[0], idx[1])
     bias_rows = [j for j, p in enumerate(params) if p.logit_bias]
     if bias_rows:
         items = [(j, tok, b) for j in bias_rows for tok, b in params[j].logit_bias.items()]
         edits["logit_bias"] = (
-            torch.tensor([i[0] for i in items], dtype=torch.int64, device=dev),
-            torch.tensor([i[1] for i in items], dtype=torch.int64, device=dev),
-            torch.tensor([i[2] for i in items], dtype=torch.float32, device=dev),
+            _on_device([i[0] for i in items], dev, torch.int64),
+            _on_device([i[1] for i in items], dev, torch.int64),
+            _on_device([i[2] for i in items], dev, torch.float32),
         )
     pen_rows = [j for j, p in enumerate(params) if p.uses_penalties]
     if pen_rows:
@@ -119,9 +129,9 @@ def build_sampling_metadata(
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
-    meta.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    meta.top_k = torch.tensor(top_k, device=dev) if any(top_k) else None
-    meta.top_p = torch.tensor(top_p, dtype=torch.float32, device=dev) if any(p < 1 for p in top_p) else None
-    meta.min_p = torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None
+    meta.temperature = _on_device([p.temperature for p in params], dev, torch.float32)
+    meta.top_k = _on_device(top_k, dev, torch.int64) if any(top_k) else None
+    meta.top_p = _on_device(top_p, dev, torch.float32) if any(p < 1 for p in top_p) else None
+    meta.min_p = _on_device(min_p, dev, torch.float32) if any(min_p) else None
     meta.generators = {j: generators[s.request_id] for j, s in enumerate(scheduled) if s.request_id in generators}
     return meta
