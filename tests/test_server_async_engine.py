@@ -28,8 +28,9 @@ def _params(max_tokens: int, kind=RequestOutputKind.DELTA) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
 
 
-@pytest.mark.parametrize("use_process", [True, False], ids=["process", "thread"])
-def test_concurrent_streams_match_offline_and_abort_frees(tiny_model_factory, use_process):
+@pytest.mark.parametrize("use_process, async_scheduling", [(True, False), (False, False), (True, True)],
+                         ids=["process", "thread", "process-async-scheduling"])
+def test_concurrent_streams_match_offline_and_abort_frees(tiny_model_factory, use_process, async_scheduling):
     path, _ = tiny_model_factory("llama")
     prompts = random_prompts(12, 3, 40, seed=7)
     offline = LLM(path).generate([{"prompt_token_ids": p} for p in prompts], _params(12), use_tqdm=False)
@@ -37,7 +38,7 @@ def test_concurrent_streams_match_offline_and_abort_frees(tiny_model_factory, us
 
     async def main():
         metrics = EngineMetrics("tiny")
-        engine = AsyncEngine(EngineArgs(model=path), metrics, use_process=use_process)
+        engine = AsyncEngine(EngineArgs(model=path, async_scheduling=async_scheduling), metrics, use_process=use_process)
         engine.start()
         await engine.ready()
 

@@ -287,7 +287,7 @@ class AsyncEngine:
             if kind != "ready":
                 raise RuntimeError(f"The engine process failed to start: {payload}")
             tokenizer = self._load_tokenizer(payload)
-        except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
+        except BaseException as e:  # reported to the server, which exits
             logger.error("Engine failed to start: %s", e)
             self._post(self._on_started, None, None, e)
             return
@@ -369,7 +369,7 @@ class AsyncEngine:
                 if out.prompt_token_ids is None:
                     out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
                 new_prompt, new_generated = self._account(stream, out)
-            except Exception as e:  # noqa: BLE001 - one bad output must not leave every other stream waiting
+            except Exception as e:  # one bad output must not leave every other stream waiting
                 logger.exception("Could not deliver an output of request %s", out.request_id)
                 self.abort(out.request_id)
                 stream.fail(EngineFailedError(f"Could not deliver this request's output: {e}"))

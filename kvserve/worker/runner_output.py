@@ -58,7 +58,7 @@ class PendingOutput:
         self._result: RunnerOutput | None = None
 
     @classmethod
-    def empty(cls, prompt_logprobs: dict | None = None) -> "PendingOutput":
+    def empty(cls, prompt_logprobs: dict | None = None) -> PendingOutput:
         return cls([], None, [], prompt_logprobs)
 
     def result(self) -> RunnerOutput:

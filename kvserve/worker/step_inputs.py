@@ -21,7 +21,7 @@ class StepInputs:
     # fields at arbitrary offsets would make mixed steps compile new kernel variants mid-run.
     ALIGN = 16
 
-    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device, staging: "StagingBuffer | None" = None):
+    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device, staging: StagingBuffer | None = None):
         flat = [arrays[f].reshape(-1) for f in self.FIELDS]
         offsets, total = [], 0
         for a in flat:
