@@ -77,12 +77,18 @@ def test_lru_blocks_freed_later_are_evicted_later():
     pool.check_invariants()
 
 
+def _allocate_cached(pool: BlockPool, n: int):
+    """n held blocks, block i published under the hash of tokens [i]; (blocks, hashes)."""
+    blocks = pool.allocate(n)
+    hashes = [h([i]) for i in range(n)]
+    for blk, hh in zip(blocks, hashes):
+        pool.cache_block(blk, hh)
+    return blocks, hashes
+
+
 def test_lru_evicts_cached_blocks_oldest_first():
     pool = BlockPool(3)
-    b = pool.allocate(3)
-    hashes = [h([i]) for i in range(3)]
-    for blk, hh in zip(b, hashes):
-        pool.cache_block(blk, hh)
+    b, hashes = _allocate_cached(pool, 3)
     # Free in the order 1, 2, 0: 1 is least recently used.
     pool.free([b[1]])
     pool.free([b[2]])
@@ -223,10 +229,7 @@ def test_hash_chaining():
 
 def test_reset_prefix_cache():
     pool = BlockPool(3)
-    blocks = pool.allocate(2)
-    hashes = [h([i]) for i in range(2)]
-    for blk, hh in zip(blocks, hashes):
-        pool.cache_block(blk, hh)
+    blocks, hashes = _allocate_cached(pool, 2)
     pool.free([blocks[1]])
     # A block is still held: refused, nothing dropped.
     assert pool.reset_prefix_cache() is False

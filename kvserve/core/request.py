@@ -75,13 +75,14 @@ class Request:
 
     def certain_to_finish(self) -> bool:
         """Whether the pending tokens reach max_tokens or max_model_len: no need to schedule another step."""
-        if not self.num_pending_outputs:
-            return False
+        return self.num_pending_outputs > 0 and self._length_capped(self.num_pending_outputs)
+
+    def _length_capped(self, extra_tokens: int = 0) -> bool:
+        """Whether max_tokens or max_model_len is reached, counting `extra_tokens` not yet appended."""
         max_tokens = getattr(self.sampling_params, "max_tokens", None)
-        n_out = len(self.output_token_ids) + self.num_pending_outputs
-        if max_tokens is not None and n_out >= max_tokens:
+        if max_tokens is not None and len(self.output_token_ids) + extra_tokens >= max_tokens:
             return True
-        return self.max_model_len is not None and self.num_tokens + self.num_pending_outputs >= self.max_model_len
+        return self.max_model_len is not None and self.num_tokens + extra_tokens >= self.max_model_len
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -121,11 +122,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        max_tokens = getattr(params, "max_tokens", None)
-        if max_tokens is not None and n_out >= max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        if self._length_capped():
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -120,10 +120,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
-            if num_new <= 0 or req.certain_to_finish():  # its last token is in flight: nothing to compute
+            if req.certain_to_finish():  # its length cap is reached by tokens in flight: nothing to compute
                 i += 1
                 continue
+            num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
             new_block_ids = None
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
@@ -150,7 +150,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
-            shared = self._sibling_prefix(req, out) if req.prefix_source_id is not None else None
+            shared = self._sibling_prefix(req) if req.prefix_source_id is not None else None
             if shared is _WAIT:
                 break
             hit_blocks, num_hit_tokens = shared or self.kv.get_computed_blocks(req)
@@ -174,7 +174,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _sibling_prefix(self, req: Request, out: SchedulerOutput):
+    def _sibling_prefix(self, req: Request):
         """n > 1: a sample takes its first sibling's full prompt blocks instead of computing its own.
         _WAIT while the sibling is still being scheduled through them (it runs first, so it gets there);
         None (use the prefix cache) if the sibling is not running."""

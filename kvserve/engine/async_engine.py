@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
+from kvserve.inputs import parse_prompt
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -209,22 +210,11 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init is set: give prompts as {'prompt_token_ids': [...]}.")
-            # Tokenized here, not on the engine thread, so a long prompt never delays a step.
-            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-        elif isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str) \
-                and self.tokenizer is not None:
-            prompt = {**prompt, "prompt_token_ids": self.tokenizer.encode(prompt["prompt"])}
-        text, token_ids = None, None
-        if isinstance(prompt, dict):
-            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
+        # Tokenized here, not on the engine thread, so a long prompt never delays a step.
+        text, token_ids = parse_prompt(prompt, self.tokenizer)
         stream = RequestStream(request_id, sampling_params.output_kind, time.time(), text, token_ids)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt, sampling_params))
+        self._commands.put(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
         try:
             await stream.accepted
         except asyncio.CancelledError:

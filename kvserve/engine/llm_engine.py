@@ -19,6 +19,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
 from kvserve.model.loader import DTYPES
 from kvserve.outputs import RequestOutput
@@ -105,32 +106,13 @@ class LLMEngine:
         self._needs_history: set[str] = set()
 
     # ---- requests --------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids."""
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init is set: give prompts as {'prompt_token_ids': [...]}.")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(
-            "A prompt must be a string, {'prompt': str}, {'prompt_token_ids': [int, ...]} or a list of token ids; "
-            f"got {type(prompt).__name__}."
-        )
-
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
         arrival = time.time()
         params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = parse_prompt(prompt, self.tokenizer)
         if not token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
         vocab = self.config.model_config.vocab_size

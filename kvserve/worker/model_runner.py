@@ -13,7 +13,7 @@ from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
-from kvserve.worker.runner_output import PendingOutput, RunnerOutput, compute_prompt_logprobs
+from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 from kvserve.worker.step_inputs import NO_PLACEHOLDERS, StagingBuffer, StepInputs, fill_placeholders
@@ -227,16 +227,15 @@ class ModelRunner:
         token_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
         tables = self.block_tables.gather([s.request_id for s in sched])
         logits_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-        return token_ids, q_lens, starts, tables, logits_rows, self._placeholders(sched, token_ids)
+        return token_ids, q_lens, starts, tables, logits_rows, self._placeholders(sched, token_ids, q_lens)
 
-    def _placeholders(self, sched, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _placeholders(self, sched, token_ids: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(flat index in the step's tokens, row in last_sampled) of each token sampled by the step in flight.
         Only the last token of a request's chunk can be one."""
         index = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
         if not index.size:
             return NO_PLACEHOLDERS
-        qsl_end = np.cumsum(np.fromiter((len(s.token_ids) for s in sched), dtype=np.int64, count=len(sched)))
-        reqs = np.searchsorted(qsl_end, index, side="right")
+        reqs = np.searchsorted(np.cumsum(q_lens), index, side="right")
         rows = np.fromiter((self.last_sampled_rows[sched[i].request_id] for i in reqs), dtype=np.int64,
                            count=len(reqs))
         return index, rows
@@ -263,9 +262,6 @@ class ModelRunner:
 
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.execute_async(out).result()
 
     @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> PendingOutput:
