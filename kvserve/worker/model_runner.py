@@ -12,7 +12,7 @@ from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
-from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
@@ -124,6 +124,8 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
+            mixed_sizes=mixed_capture_sizes(self.config.args.max_num_batched_tokens),
+            max_num_seqs=self.config.args.max_num_seqs,
         )
         self.graph_runner.capture()
 
@@ -245,20 +247,31 @@ class ModelRunner:
         inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows, placeholders)
         return inputs, meta, logits_rows
 
-    def _run_decode_graph(self, out: SchedulerOutput):
-        """Decode-only steps that fit a captured graph: hidden states of every row (each samples),
-        or None when the step must run eagerly."""
+    def _run_graph(self, out: SchedulerOutput):
+        """Steps that fit a captured graph: (hidden states of the rows that sample, those rows), or None
+        when the step must run eagerly."""
         graphs = self.graph_runner
+        if graphs is None:
+            return None
+        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
+            return None
         num_reqs = len(out.scheduled)
-        if graphs is None or graphs.padded_size(num_reqs) is None:
+        decode_only = all(len(s.token_ids) == 1 for s in out.scheduled)
+        if decode_only and graphs.padded_size(num_reqs) is not None:
+            token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
+            _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+            hidden = graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
+                                placeholders, self.last_sampled)
+            return hidden, list(range(num_reqs))  # decode: one token per request, every one samples
+        num_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        if graphs.mixed_padded_size(num_tokens) is None:
             return None
-        if any(len(s.token_ids) != 1 or getattr(s.sampling_params, "prompt_logprobs", None) is not None
-               for s in out.scheduled):
-            return None
-        token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
-        _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-        return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
-                          placeholders, self.last_sampled)
+        token_ids, q_lens, starts, tables, rows, placeholders = self._host_arrays(out)
+        qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+        logits_indices = qsl[1:][rows] - 1
+        hidden = graphs.run_mixed(token_ids, positions, slot_mapping, qsl, starts + q_lens, tables,
+                                  logits_indices, placeholders, self.last_sampled)
+        return hidden, rows
 
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
@@ -271,10 +284,9 @@ class ModelRunner:
         if out.is_empty:
             return PendingOutput.empty()
         num_reqs = len(out.scheduled)
-        hidden = self._run_decode_graph(out)
-        if hidden is not None:
-            rows = list(range(num_reqs))
-            logits_input = hidden  # decode: one token per request, every one samples
+        graph_out = self._run_graph(out)
+        if graph_out is not None:
+            logits_input, rows = graph_out
         else:
             inputs, meta, rows = self.prepare_inputs(out)
             if meta.max_query_len == 1:
