@@ -124,7 +124,7 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
-            mixed_sizes=mixed_capture_sizes(self.config.args.max_num_batched_tokens),
+            mixed_sizes=mixed_capture_sizes(self.config.max_num_batched_tokens),
             max_num_seqs=self.config.args.max_num_seqs,
         )
         self.graph_runner.capture()
