@@ -97,6 +97,8 @@ def run_engine_core_process(args, conn) -> None:
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
+        # The resolved config first: the server loads its tokenizer while this process loads the model.
+        conn.send(("config", args.create_engine_config()))
         engine = LLMEngine(args)
     except BaseException as e:  # reported to the server, which exits
         logger.exception("Engine failed to start")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.background import in_background
 from kvserve.config import EngineArgs
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
@@ -56,7 +57,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.config = config = args.create_engine_config()
         torch.manual_seed(args.seed)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+        # The tokenizer loads on a thread while the model loads (a large tokenizer.json takes seconds).
+        tokenizer_future = None if args.skip_tokenizer_init else in_background(load_tokenizer, config.tokenizer_path)
         on_gpu = config.device == "cuda"
         if on_gpu:
             free_at_start, total = torch.cuda.mem_get_info()
@@ -91,6 +93,7 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
+        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
@@ -218,3 +221,4 @@ class LLMEngine:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
