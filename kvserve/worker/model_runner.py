@@ -59,7 +59,8 @@ class BlockTables:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, layer_range: tuple[int, int] | None = None):
+        """layer_range: the decoder layers of this pipeline stage (default: all)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -76,6 +77,7 @@ class ModelRunner:
             self.backend,
             max_positions=config.max_model_len,
             seed=config.args.seed,
+            layer_range=layer_range,
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -93,14 +95,15 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token(elem) * self.block_size
+        model = self.model
+        return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        cfg = self.model_config
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
@@ -113,7 +116,7 @@ class ModelRunner:
         if choose is None:
             return None
         padded = next((s for s in self.graph_sizes if s >= num_reqs), num_reqs)
-        return choose(padded, self.model_config.num_key_value_heads, 1, self.max_model_len)
+        return choose(padded, self.model.num_local_kv_heads, 1, self.max_model_len)
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.args.enforce_eager:
