@@ -45,6 +45,7 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel ranks: each layer's heads and features split over this many devices (CPU: processes).", "group": "Parallel", "aliases": ["-tp"]})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages: the layers split over this many device groups (layers per stage: even, or VLLM_PP_LAYER_PARTITION=\"a,b\").", "group": "Parallel", "aliases": ["-pp"]})
     distributed_executor_backend: str | None = field(default=None, metadata={"help": "uni (in this process) | mp (one process per device on this host) | ray (one Ray actor per device, any number of nodes). Default: uni for one device, mp for several.", "group": "Parallel"})
+    pp_layer_partition: str | None = field(default=None, metadata={"help": "Decoder layers per pipeline stage, e.g. \"20,12\" (default: $KVSERVE_PP_LAYER_PARTITION or $VLLM_PP_LAYER_PARTITION, else even).", "group": "Parallel"})
     disable_custom_all_reduce: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve's all-reduce is torch.distributed's (NCCL on GPU, gloo on CPU).", "group": "Parallel"})
 
     def __post_init__(self):
@@ -124,6 +125,7 @@ class EngineConfig:
     dtype: str  # float32 | bfloat16 | float16
     attention_backend: str
     async_scheduling: bool
+    layer_ranges: list = field(default_factory=list)  # [(first, end)] decoder layers per pipeline stage
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -176,8 +178,9 @@ class EngineConfig:
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         tokenizer_path = Path(args.tokenizer).expanduser() if args.tokenizer else model_path
-        _check_parallel_layout(args, model_config, device)
+        layer_ranges = _check_parallel_layout(args, model_config, device)
         return cls(
+            layer_ranges=layer_ranges,
             args=args,
             model_path=model_path,
             tokenizer_path=tokenizer_path,
@@ -188,11 +191,13 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             attention_backend=backend,
-            async_scheduling=device == "cuda" if args.async_scheduling is None else args.async_scheduling,
+            # Pipeline parallelism keeps several batches in flight instead, each request in at most one.
+            async_scheduling=args.pipeline_parallel_size == 1 and (
+                device == "cuda" if args.async_scheduling is None else args.async_scheduling),
         )
 
 
-def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> None:
+def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> list[tuple[int, int]]:
     """Impossible layouts fail here, before any process starts, naming the numbers and the flag."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if cfg.num_attention_heads % tp:
@@ -209,7 +214,8 @@ def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> N
                          f"use --pipeline-parallel-size {cfg.num_hidden_layers} or less.")
     from kvserve.distributed.layer_partition import layer_partition
 
-    layer_partition(cfg.num_hidden_layers, pp)  # a malformed VLLM_PP_LAYER_PARTITION fails now
+    # Decided here, once: every worker gets the same ranges (a malformed partition fails now).
+    layer_ranges = layer_partition(cfg.num_hidden_layers, pp, args.pp_layer_partition)
     if device == "cuda" and args.executor_backend != "ray":
         import torch
 
@@ -218,6 +224,7 @@ def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> N
             raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} GPUs, but "
                              f"only {visible} are visible on this host (CUDA_VISIBLE_DEVICES). Lower the sizes, or "
                              f"use --distributed-executor-backend ray on a cluster with more GPUs.")
+    return layer_ranges
 
 
 def _cuda_available() -> bool:

@@ -7,6 +7,7 @@ instead of leaving it idle between steps.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -67,6 +68,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                exclusive_batches=args.pipeline_parallel_size > 1,
             ),
             self.kv_cache_manager,
         )
@@ -80,6 +82,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
+        # Pipeline parallelism: up to pp batches in flight (one per stage), oldest first.
+        self.max_batches_in_flight = args.pipeline_parallel_size
+        self._pipeline: collections.deque[InFlightStep] = collections.deque()
         # Core ids of live requests whose sampling reads their output history (penalties, bad words):
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
@@ -167,13 +172,15 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._pipeline)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.max_batches_in_flight > 1:
+            return self._pipelined_step()
         outputs = []
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
@@ -189,6 +196,19 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._finish(launched)
+        return outputs
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
+        are in flight (or nothing new could be scheduled: its requests are all in flight)."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.is_empty:
+            self._pipeline.append(InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out)))
+        outputs = []
+        if sched_out.is_empty:
+            outputs += self._finish(InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out)))
+        if self._pipeline and (sched_out.is_empty or len(self._pipeline) >= self.max_batches_in_flight):
+            outputs += self._finish(self._pipeline.popleft())
         return outputs
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_next_stage
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
@@ -121,6 +122,9 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.args.enforce_eager:
             return
+        if self.config.args.pipeline_parallel_size > 1:
+            logger.info("CUDA graphs are not captured with pipeline parallelism; running eagerly")
+            return
         if self.config.attention_backend != "triton":
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
             return
@@ -146,7 +150,14 @@ class ModelRunner:
             starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
             placeholders=NO_PLACEHOLDERS,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta)
+        intermediate = None
+        if not self.model.is_first_stage:
+            zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            intermediate = (zeros, zeros.clone())
+        hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta, intermediate)
+        if not self.model.is_last_stage:
+            del scratch, hidden
+            return
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
         meta_s = SamplingMetadata(
@@ -282,7 +293,15 @@ class ModelRunner:
             inputs, meta, rows = self.prepare_inputs(out)
             if meta.max_query_len == 1:
                 meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            model = self.model
+            intermediate = None
+            if not model.is_first_stage:  # the previous stage's hidden states and residual
+                shape = (meta.num_actual_tokens, self.model_config.hidden_size)
+                intermediate = recv_from_prev_stage([shape, shape], self.dtype, self.device)
+            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, meta, intermediate)
+            if not model.is_last_stage:  # only the last stage computes logits and samples
+                send_to_next_stage(list(hidden))
+                return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if rows else None
         prompt_logprobs = {}
         if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):

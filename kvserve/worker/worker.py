@@ -12,7 +12,6 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.distributed.layer_partition import layer_partition
 from kvserve.distributed.parallel_state import get_parallel_state, init_distributed
 from kvserve.model.loader import DTYPES
 from kvserve.worker import memory
@@ -55,7 +54,8 @@ class Worker:
             self._memory_at_start = (free, total, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
             if ps.world_size == 1:
                 memory.check_weights_fit(config, free, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
-        self.layer_range = layer_partition(config.model_config.num_hidden_layers, ps.pp_size)[ps.pp_rank]
+        self.layer_range = (config.layer_ranges[ps.pp_rank] if config.layer_ranges
+                            else (0, config.model_config.num_hidden_layers))
         t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.layer_range)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
