@@ -17,19 +17,22 @@ import threading
 import traceback
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent (the engine) dies, however it dies: no orphans."""
+def _die_with_parent(rank: int) -> None:
+    """Linux: this process gets SIGKILL when its parent (the engine) dies, however it dies: no orphans.
+    It is also named kvserve-rankN in ps/top."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, f"kvserve-rank{rank}".encode()[:15])  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 
 
 def run_worker_process(config, rank: int, local_rank: int, init_method: str, conn, output_rank: int,
                        parent_pid: int) -> None:
-    _die_with_parent()
+    _die_with_parent(rank)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
