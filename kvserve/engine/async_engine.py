@@ -147,6 +147,7 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process = None
         self._stopping = False
+        self.on_crashed = None  # called (on the event loop) when the engine dies under the server
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -337,6 +338,8 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.fail(EngineFailedError("The engine loop crashed; see the server log."))
         self._streams.clear()
+        if self.on_crashed is not None:
+            self.on_crashed()
 
     def _on_batch(self, batch: EngineBatch) -> None:
         accepted, outputs, failed, stats = batch.accepted, batch.outputs, batch.failed, batch.stats
