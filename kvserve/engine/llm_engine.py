@@ -21,7 +21,6 @@ from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
-from kvserve.model.loader import DTYPES
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
@@ -57,29 +56,25 @@ class LLMEngine:
         self.config = config = args.create_engine_config()
         torch.manual_seed(args.seed)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
-        on_gpu = config.device == "cuda"
-        if on_gpu:
-            free_at_start, total = torch.cuda.mem_get_info()
-            allocated_at_start, reserved_at_start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            memory.check_weights_fit(config, free_at_start, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
+        # Each phase that can run out of memory says which phase, the numbers, and the flag to change.
+        self.startup_memory = startup = memory.StartupMemory(config)
+        startup.check_weights_fit()
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config)
+        with startup.phase(memory.LOADING_WEIGHTS, needed=memory.estimated_weight_bytes(config)):
+            self.runner = ModelRunner(config)
         logger.info("Loaded %s in %.1f s (%s, %s)", config.model_path, time.perf_counter() - t0, config.dtype, config.device)
 
-        bytes_per_block = self.runner.kv_bytes_per_block()
-        if args.num_gpu_blocks_override is not None:
-            kv_bytes = args.num_gpu_blocks_override * bytes_per_block
-        elif args.kv_cache_memory_bytes is not None or not on_gpu:
-            kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
-        else:
-            kv_bytes = memory.kv_cache_bytes_gpu(
-                config, self.runner, free_at_start, total, allocated_at_start, reserved_at_start
-            )
+        bytes_per_block = memory.kv_bytes_per_block(config)
+        with startup.phase(memory.PROFILING):
+            kv_bytes = startup.kv_cache_bytes(self.runner, bytes_per_block)
         num_blocks = memory.num_blocks_from_bytes(kv_bytes, bytes_per_block)
-        memory.check_max_model_len_fits(config, num_blocks, bytes_per_block, kv_bytes)
+        startup.check_max_model_len_fits(num_blocks, bytes_per_block, kv_bytes)
         memory.log_kv_cache(config, num_blocks, kv_bytes)
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs(args.max_num_seqs)
+        self.num_kv_blocks = num_blocks
+        with startup.phase(memory.ALLOCATING_KV, needed=num_blocks * bytes_per_block):
+            self.runner.initialize_kv_cache(num_blocks)
+        with startup.phase(memory.CAPTURING_GRAPHS):
+            self.runner.capture_cuda_graphs(args.max_num_seqs)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -1,4 +1,4 @@
-"""`kvserve` command line: `kvserve serve`, `kvserve chat`, `kvserve generate`, `kvserve bench`."""
+"""`kvserve` command line: `kvserve serve`, `kvserve chat`, `kvserve generate`, `kvserve bench`, `kvserve plan`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+
+    from kvserve.entrypoints import plan
+
+    plan_parser = sub.add_parser("plan", help="Will MODEL fit? Memory per GPU and what to change (reads config only).")
+    plan.add_arguments(plan_parser)
+    plan_parser.set_defaults(func=plan.run)
     return parser
 
 
