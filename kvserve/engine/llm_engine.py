@@ -19,6 +19,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
 from kvserve.outputs import RequestOutput
@@ -99,6 +100,8 @@ class LLMEngine:
         # Core ids of live requests whose sampling reads their output history (penalties, bad words):
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
+        self._carried_outputs: list[RequestOutput] = []
+        self._scheduled_now: SchedulerOutput | None = None
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
@@ -174,20 +177,30 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._carried_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = []
+        # Outputs of a step that completed before an out-of-memory error in the same call.
+        outputs, self._carried_outputs = self._carried_outputs, []
+        self._scheduled_now = None
+        try:
+            return self._step(outputs)
+        except torch.OutOfMemoryError as e:
+            raise self._fail_step_out_of_memory(e, outputs) from e
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        sched_out = self.scheduler.schedule()
+        self._scheduled_now = sched_out = self.scheduler.schedule()
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
+        if not sched_out.is_empty:
+            memory.maybe_inject_oom("step")
         launched = InFlightStep(sched_out, time.time(), self.runner.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -197,6 +210,35 @@ class LLMEngine:
         else:
             outputs += self._finish(launched)
         return outputs
+
+    def _fail_step_out_of_memory(self, error: Exception, outputs: list[RequestOutput]) -> StepOutOfMemoryError:
+        """A step ran out of device memory: its requests (and those of a step in flight) fail, everything
+        else keeps running, and the log says which setting to lower. Requests are not retried: a smaller
+        batch is what the next steps get anyway once these are gone."""
+        steps = [s for s in (self._scheduled_now, self._in_flight.sched_out if self._in_flight else None) if s]
+        self._in_flight = None
+        core_ids = {s.request_id for step in steps for s in step.scheduled}
+        parents = sorted({self.output_processor.samples[c].parent.request_id
+                          for c in core_ids if c in self.output_processor.samples})
+        num_tokens = max((step.total_num_scheduled_tokens for step in steps), default=0)
+        num_reqs = max((len(step.scheduled) for step in steps), default=0)
+        self.abort_request(parents)
+        # What completed earlier in this call is still delivered (next call); a failed request's partial output is not.
+        self._carried_outputs = [o for o in outputs if o.finished or o.request_id not in set(parents)]
+        if self.config.device == "cuda":
+            torch.cuda.empty_cache()
+        args = self.config.args
+        if num_tokens > 2 * num_reqs:  # a prefill-heavy step: its token budget is what to cut
+            flag, value = "--max-num-batched-tokens", max(args.max_num_seqs, num_tokens // 2)
+        else:
+            flag, value = "--max-num-seqs", max(1, num_reqs // 2)
+        advice = (f"lower {flag} to {value} (or --gpu-memory-utilization to "
+                  f"{max(0.05, round(args.gpu_memory_utilization - 0.05, 2))} to leave more room for activations)")
+        logger.error("Out of memory in a step of %d requests and %d tokens (%s); failed those %d requests, the "
+                     "engine goes on. To avoid it, %s.", num_reqs, num_tokens, error, len(parents), advice)
+        return StepOutOfMemoryError(
+            f"The engine ran out of memory while running this request's step ({num_reqs} requests, {num_tokens} "
+            f"tokens); the request failed and was not retried. The server operator should {advice}.", parents)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()

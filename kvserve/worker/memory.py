@@ -32,21 +32,27 @@ CAPTURING_GRAPHS = "capturing CUDA graphs"
 _PHASE_KEYS = {LOADING_WEIGHTS: "load_weights", PROFILING: "profile", ALLOCATING_KV: "kv_cache",
                CAPTURING_GRAPHS: "cuda_graphs"}
 INJECT_ENV = "KVSERVE_INJECT_OOM"
-_consumed_step_injections = 0
+_step_injections = {"setting": None, "used": 0}
 
 
 def maybe_inject_oom(key: str) -> None:
     """Raise an injected OOM when KVSERVE_INJECT_OOM names `key` (tests only)."""
-    global _consumed_step_injections
-    wanted = [k.strip() for k in os.environ.get(INJECT_ENV, "").split(",") if k.strip()]
+    setting = os.environ.get(INJECT_ENV, "")
+    wanted = [k.strip() for k in setting.split(",") if k.strip()]
     if key not in wanted:
         return
     if key == "step":
-        # "step" fails as many steps as it is listed, then the engine runs normally again.
-        if _consumed_step_injections >= wanted.count("step"):
+        # "step" fails as many steps as it is listed (counted afresh whenever the setting changes).
+        if _step_injections["setting"] != setting:
+            _step_injections.update(setting=setting, used=0)
+        if _step_injections["used"] >= wanted.count("step"):
             return
-        _consumed_step_injections += 1
+        _step_injections["used"] += 1
     raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV}={key})")
+
+
+def reset_oom_injection() -> None:
+    _step_injections.update(setting=None, used=0)
 
 
 class StartupMemoryError(ValueError):
