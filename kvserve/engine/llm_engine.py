@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.preemption_log import PreemptionLog
 from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
@@ -46,6 +47,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -76,17 +78,21 @@ class LLMEngine:
             self.runner.initialize_kv_cache(num_blocks)
         with startup.phase(memory.CAPTURING_GRAPHS):
             self.runner.capture_cuda_graphs(args.max_num_seqs)
+        swap = self._init_swap_space(bytes_per_block)
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                **swap,
             ),
             self.kv_cache_manager,
         )
+        self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
@@ -102,6 +108,29 @@ class LLMEngine:
         self._needs_history: set[str] = set()
         self._carried_outputs: list[RequestOutput] = []
         self._scheduled_now: SchedulerOutput | None = None
+
+    def _init_swap_space(self, bytes_per_block: int) -> dict:
+        """--swap-space and --preemption-mode: the CPU blocks, and for auto the two costs it compares."""
+        args = self.config.args
+        mode = getattr(args, "preemption_mode", "recompute")
+        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        if mode != "recompute" and num_cpu_blocks == 0:
+            logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
+                           bytes_per_block)
+            mode = "recompute"
+        swap = dict(num_cpu_blocks=num_cpu_blocks, preemption_mode=mode)
+        if mode == "recompute":
+            return swap
+        self.runner.initialize_swap_space(num_cpu_blocks)
+        if mode == "auto":
+            recompute, copy = self.runner.measure_preemption_costs(
+                min(512, self.config.max_num_batched_tokens, self.config.max_model_len))
+            swap.update(recompute_seconds_per_token=recompute, swap_seconds_per_block=copy)
+            logger.info("Preemption costs: recompute %.4f ms per token, swap out and in %.4f ms per block of %d "
+                        "tokens", recompute * 1e3, copy * 1e3, args.block_size)
+        logger.info("Swap space: %.2f GiB = %d blocks (%d tokens); preemption mode %s", args.swap_space,
+                    num_cpu_blocks, num_cpu_blocks * args.block_size, mode)
+        return swap
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
@@ -197,6 +226,8 @@ class LLMEngine:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         self._scheduled_now = sched_out = self.scheduler.schedule()
+        if sched_out.preemptions:
+            self.preemption_log.report(sched_out.preemptions)
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         if not sched_out.is_empty:
@@ -254,4 +285,5 @@ class LLMEngine:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
         )

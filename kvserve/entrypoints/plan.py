@@ -31,7 +31,7 @@ KNOWN_GPUS: dict[str, float] = {
 _ALIASES = {"H100": "H100-80GB", "A100": "A100-80GB", "4090": "RTX-4090", "3090": "RTX-3090"}
 # Engine fields plan reads itself (EngineArgs may reject values it cannot run yet, a plan can still size them).
 _PLAN_ONLY = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None,
-              "kv_cache_dtype": "auto", "swap_space": 0, "preemption_mode": None}
+              "kv_cache_dtype": "auto", "swap_space": 0, "preemption_mode": "recompute"}
 
 
 def gpu_bytes(name: str) -> int:
