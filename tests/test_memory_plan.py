@@ -173,3 +173,21 @@ def test_plan_text_output_and_errors(capsys, tmp_path):
     shutil.copy(EXAMPLES / "llama-3.1-8b" / "config.json", tmp_path / "config.json")
     assert cli_main(["plan", str(tmp_path), "-tp", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_readme_plan_commands_run_and_print_what_the_readme_shows(capsys, monkeypatch):
+    import re
+    import shlex
+
+    readme = (EXAMPLES.parent.parent / "README.md").read_text()
+    section = readme[readme.index("## When memory is short"):]
+    commands = re.search(r"```bash\n(kvserve plan .*?)```", section, flags=re.DOTALL).group(1).strip().splitlines()
+    shown = re.search(r"```text\n(.*?)```", section, flags=re.DOTALL).group(1)
+    monkeypatch.chdir(EXAMPLES.parent.parent)
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "kvserve" and cli_main(argv[1:]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == shown
+    assert json.loads(outputs[2])["verdict"]["step"] == "fits"
