@@ -124,9 +124,14 @@ def test_runtime_oom_fails_the_step_and_the_engine_goes_on(llama, monkeypatch, c
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
-def test_runtime_oom_in_the_server_is_a_500_and_the_next_request_succeeds(llama, monkeypatch):
+def test_server_runtime_oom_is_a_500_then_preemptions_are_reported(llama, monkeypatch):
+    """One server: an injected OOM fails its request with a 500 and the next succeeds; then a load that
+    preempts (12 KV blocks) reports num_preemptions in usage and in the metric by mode."""
+    from concurrent.futures import ThreadPoolExecutor
+
     monkeypatch.setenv(memory.INJECT_ENV, "step")
-    srv = RemoteServer(llama, "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "float32")
+    srv = RemoteServer(llama, "--max-model-len", "128", "--max-num-seqs", "8", "--dtype", "float32",
+                       "--num-gpu-blocks-override", "12")
     try:
         body = {"model": llama, "prompt": "Hello there", "max_tokens": 4}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
@@ -136,5 +141,18 @@ def test_runtime_oom_in_the_server_is_a_500_and_the_next_request_succeeds(llama,
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
         assert "Out of memory in a step" in srv.log_tail()
+
+        def complete(prompt):
+            body = {"model": llama, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+
+        with ThreadPoolExecutor(8) as pool:
+            usages = list(pool.map(complete, random_prompts(8, 40, 60, seed=4)))
+        preempted = sum(u.get("num_preemptions", 0) for u in usages)
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("kvserve:num_preemptions_total{"))
+        assert preempted > 0 and counted == preempted
+        assert 'mode="recompute"' in metrics
     finally:
         srv.stop()

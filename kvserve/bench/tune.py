@@ -220,7 +220,7 @@ class Tuner:
             gain = (f" ({best.output_tokens_per_second / default.output_tokens_per_second:.2f}x the first trial)"
                     if default else "")
             lines.append(f"Best {goal}: {best.output_tokens_per_second:,.1f} output tok/s{gain}")
-            lines.append(f"kvserve serve {model} {_flags(best.settings)}")
+            lines.append(" ".join(filter(None, ["kvserve serve", model, _flags(best.settings)])))
         return "\n".join(lines)
 
 
@@ -240,7 +240,7 @@ def run(ns: argparse.Namespace) -> int:
             tokenizer = load_tokenizer(config.tokenizer_path)
         requests = requests_from_args(ns, config.model_config.vocab_size, tokenizer)
         tuner = Tuner(ns, engine_args, requests, config.device == "cuda", ns.results)
-        model = ns.model or "(the embedded default model)"
+        model = ns.model or ""  # the embedded default model
         try:
             tuner.run()
         except KeyboardInterrupt:

@@ -430,7 +430,7 @@ def advise(p: PlanInputs) -> Verdict:
         notes.append(f"KV headroom: {plan.max_concurrency:.2f} full-length requests fit; "
                      f"--gpu-memory-utilization 0.9 gives {better.kv_tokens} tokens ({better.max_concurrency:.2f}x).")
     avg_tokens = plan.kv_tokens / p.max_num_seqs
-    if avg_tokens < p.max_model_len:
+    if avg_tokens < p.max_model_len / 4:
         notes.append(f"Batch: {p.max_num_seqs} running requests share {plan.kv_tokens} KV tokens "
                      f"({avg_tokens:.0f} each); longer requests at full batch preempt. Lower --max-num-seqs if "
                      f"preemptions appear.")
