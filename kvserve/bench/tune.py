@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p, with_seed=False)
     g = p.add_argument_group("Tune options")
     g.add_argument("--budget-minutes", type=float, default=10.0, help="Stop starting trials after this long.")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="Best = highest throughput with p90 TTFT under this.")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="Best = highest throughput with p90 TTFT under this.")
     g.add_argument("--max-trials", type=int, default=None, help="Stop after this many trials.")
     g.add_argument("--results", default=None, help="JSON-lines file of trials: appended to, and read to resume.")
     g.add_argument("--disable-tqdm", action="store_true")

@@ -61,7 +61,8 @@ class PreemptionLog:
         steps.append(f"a smaller batch with --max-num-seqs {max(1, min(self.max_num_seqs - 1, num_running))} (the KV "
                      f"cache holds about that many of these requests)")
         if self.preemption_mode == "recompute":
-            steps.append("or add --swap-space 4 --preemption-mode auto (copy long requests' K/V instead of recomputing)")
+            steps.append("or add --swap-space 4 --preemption-mode auto (copy long requests' K/V instead of "
+                         "recomputing it)")
         return (f"{per_minute} preemptions in the last minute: the KV cache is too small for this load, and "
                 f"preempted requests redo work. In the tuning order: {'; '.join(steps)}. `kvserve plan` shows "
                 f"the KV capacity.")

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     for short, dest in (("-tp", "tensor_parallel_size"), ("-pp", "pipeline_parallel_size")):
         if short not in p._option_string_actions:
-            p.add_argument(short, dest=dest, type=int, default=argparse.SUPPRESS, help=f"Same as --{dest.replace('_', '-')}.")
+            p.add_argument(short, dest=dest, type=int, default=argparse.SUPPRESS,
+                           help=f"Same as --{dest.replace('_', '-')}.")
     g = p.add_argument_group("Plan options")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--gpu", default="H100-80GB", help=f"One of {', '.join(KNOWN_GPUS)} (default H100-80GB).")
@@ -67,7 +68,8 @@ def plan_inputs_from_namespace(ns: argparse.Namespace) -> memory_plan.PlanInputs
     kwargs = {name: getattr(ns, name) for name in fields if hasattr(ns, name) and name not in _PLAN_ONLY}
     kwargs.update(model=ns.model, device="cuda")
     kwargs.update({k: v for k, v in _PLAN_ONLY.items() if k in fields})
-    config = EngineArgs(**kwargs).create_engine_config()  # lengths, budgets and dtype exactly as the engine derives them
+    # Lengths, budgets and dtype exactly as the engine derives them.
+    config = EngineArgs(**kwargs).create_engine_config()
     quant = getattr(ns, "quantization", None)
     quant = None if quant in (None, "none") else quant
     if quant is not None and quant not in memory_plan.QUANTIZATIONS:

@@ -206,7 +206,8 @@ class StartupMemory:
         else:
             flag, value = "--enforce-eager", None
             why = (f"CUDA graphs for {len(self._capture_sizes())} batch sizes (up to --max-num-seqs "
-                   f"{args.max_num_seqs}) did not fit; or keep graphs with --max-num-seqs {max(1, args.max_num_seqs // 2)}.")
+                   f"{args.max_num_seqs}) did not fit; or keep graphs with --max-num-seqs "
+                   f"{max(1, args.max_num_seqs // 2)}.")
         return StartupMemoryError(phase, f"{why} {numbers}", flag, value, needed, available, self.others)
 
     def _capture_sizes(self) -> list[int]:
@@ -292,8 +293,9 @@ class StartupMemory:
                f"{_gib(kv_bytes)} of {_gib(budget)} (--gpu-memory-utilization {args.gpu_memory_utilization}) for "
                f"the KV cache; one request of max_model_len {cfg.max_model_len} needs {_gib(one_request)}.")
         if scaled >= args.max_num_seqs:
-            raise StartupMemoryError(PROFILING, msg, "--max-num-batched-tokens",
-                                     max(args.max_num_seqs, _round_down_pow2(scaled)), one_request, kv_bytes, self.others)
+            tokens = max(args.max_num_seqs, _round_down_pow2(scaled))
+            raise StartupMemoryError(PROFILING, msg, "--max-num-batched-tokens", tokens, one_request, kv_bytes,
+                                     self.others)
         flag, value, _ = self._weights_flag(weights + activations + one_request, max(self.budget, 1))
         raise StartupMemoryError(PROFILING, msg, flag, value, one_request, kv_bytes, self.others)
 
