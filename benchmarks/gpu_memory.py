@@ -76,12 +76,14 @@ def correctness(results: dict, device: str) -> bool:
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(path)
     rng = random.Random(3)
     # On CPU (a smoke run of this script) a smaller load that still preempts.
-    n, max_tokens = (24, 64) if device == "cuda" else (6, 12)
-    prompts = [{"prompt_token_ids": [rng.randrange(32000) for _ in range(rng.randint(40, 200))]} for _ in range(n)]
+    n, max_tokens, longest, blocks = (24, 64, 200, 40) if device == "cuda" else (6, 24, 100, 12)
+    prompts = [{"prompt_token_ids": [rng.randrange(32000) for _ in range(rng.randint(40, longest))]}
+               for _ in range(n)]
     tokens, counts = {}, {}
     for mode, swap in (("recompute", 0), ("swap", 1), ("auto", 1)):
-        llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, device=device, max_model_len=512,
-                  num_gpu_blocks_override=40, preemption_mode=mode, swap_space=swap, enable_prefix_caching=False)
+        llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, device=device, max_model_len=min(512, blocks * 16),
+                  num_gpu_blocks_override=blocks, preemption_mode=mode, swap_space=swap,
+                  enable_prefix_caching=False)
         outs = llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)
         tokens[mode] = [o.outputs[0].token_ids for o in outs]
         counts[mode] = llm.llm_engine.get_stats().num_preemptions_by_mode
@@ -124,7 +126,8 @@ def plan_vs_engine(results: dict, w1: str) -> list[dict]:
                         "kv_tokens": engine.num_kv_blocks * 16, "others": start.others, "total": start.total}
             del llm, engine, start
             _release()
-            argv = ["plan", w1, "--load-format", "dummy", "--max-model-len", "4096", "--gpu-memory-utilization", str(util)]
+            argv = ["plan", w1, "--load-format", "dummy", "--max-model-len", "4096",
+                    "--gpu-memory-utilization", str(util)]
             if kv_dtype != "auto":
                 argv += ["--kv-cache-dtype", kv_dtype]
             ns = build_parser().parse_args(argv + ["--gpu-memory-gib", str(measured["total"] / GiB),

@@ -143,11 +143,12 @@ def test_server_runtime_oom_is_a_500_then_preemptions_are_reported(llama, monkey
         assert "Out of memory in a step" in srv.log_tail()
 
         def complete(prompt):
-            body = {"model": llama, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+            body = {"model": llama, "prompt": prompt, "max_tokens": 20, "ignore_eos": True}
             return httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()["usage"]
 
+        # 8 requests of 44 + 20 tokens (4 blocks each) at once: any 4 running need 16 of the 12 blocks.
         with ThreadPoolExecutor(8) as pool:
-            usages = list(pool.map(complete, random_prompts(8, 40, 60, seed=4)))
+            usages = list(pool.map(complete, random_prompts(8, 44, 44, seed=4)))
         preempted = sum(u.get("num_preemptions", 0) for u in usages)
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
         counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
