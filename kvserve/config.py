@@ -32,11 +32,12 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "Exact number of KV blocks (testing).", "group": "Cache"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV blocks of shared prompt prefixes.", "group": "Cache"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype (auto = model dtype).", "group": "Cache"})
-    swap_space: float = field(default=0, metadata={"help": "CPU swap space in GiB for preempted requests (not yet supported; preemption recomputes).", "group": "Cache"})
+    swap_space: float = field(default=0, metadata={"help": "CPU memory in GiB (pinned on CUDA) that holds the K/V of requests preempted with --preemption-mode swap or auto.", "group": "Cache"})
     # Scheduler
     max_num_seqs: int = field(default=256, metadata={"help": "Most requests in one step.", "group": "Scheduler"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "Token budget of one step (default 8192 with chunked prefill, else max_model_len).", "group": "Scheduler"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "Split long prompts across steps and mix them with decodes.", "group": "Scheduler"})
+    preemption_mode: str = field(default="recompute", metadata={"help": "recompute | swap | auto: what happens to a preempted request's K/V. recompute drops it; swap copies it to --swap-space and back (recompute when that is full); auto picks the cheaper per request, from costs measured at start-up.", "group": "Scheduler"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "Schedule and prepare step N+1 while step N runs, keeping sampled ids on the device (default: on for CUDA, off on CPU).", "group": "Scheduler"})
     # Device and execution
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu.", "group": "Execution"})
@@ -88,8 +89,13 @@ class EngineArgs:
             bad("quantization", f"{self.quantization!r} is not supported yet; leave it unset.")
         if self.kv_cache_dtype not in ("auto",):
             bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not supported yet; use auto.")
-        if self.swap_space not in (0, 0.0, None):
-            bad("swap_space", "swap preemption is not implemented yet; preemption recomputes. Use 0.")
+        if self.swap_space is None or self.swap_space < 0:
+            bad("swap_space", f"must be >= 0 GiB, got {self.swap_space}.")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            bad("preemption_mode", f"{self.preemption_mode!r} is not one of recompute, swap, auto.")
+        if self.preemption_mode != "recompute" and not self.swap_space:
+            bad("preemption_mode", f"{self.preemption_mode} needs CPU memory to swap to: add --swap-space 4 "
+                                   f"(GiB), or use --preemption-mode recompute.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
 
@@ -106,8 +112,9 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def create_engine_config(self) -> "EngineConfig":
-        return EngineConfig.from_args(self)
+    def create_engine_config(self, count_devices: bool = True) -> "EngineConfig":
+        """`count_devices=False` resolves the config for a machine other than this one (`kvserve plan`)."""
+        return EngineConfig.from_args(self, count_devices)
 
 
 @dataclass
@@ -128,7 +135,7 @@ class EngineConfig:
     layer_ranges: list = field(default_factory=list)  # [(first, end)] decoder layers per pipeline stage
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> "EngineConfig":
+    def from_args(cls, args: EngineArgs, count_devices: bool = True) -> "EngineConfig":
         from kvserve.model.default_model import DEFAULT_MODEL_NAME, find_default_gguf
 
         if args.model is None:
@@ -178,7 +185,7 @@ class EngineConfig:
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         tokenizer_path = Path(args.tokenizer).expanduser() if args.tokenizer else model_path
-        layer_ranges = _check_parallel_layout(args, model_config, device)
+        layer_ranges = _check_parallel_layout(args, model_config, device, count_devices)
         return cls(
             layer_ranges=layer_ranges,
             args=args,
@@ -197,7 +204,8 @@ class EngineConfig:
         )
 
 
-def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> list[tuple[int, int]]:
+def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str,
+                           count_devices: bool = True) -> list[tuple[int, int]]:
     """Impossible layouts fail here, before any process starts, naming the numbers and the flag."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if cfg.num_attention_heads % tp:
@@ -216,7 +224,7 @@ def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> l
 
     # Decided here, once: every worker gets the same ranges (a malformed partition fails now).
     layer_ranges = layer_partition(cfg.num_hidden_layers, pp, args.pp_layer_partition)
-    if device == "cuda" and args.executor_backend != "ray":
+    if count_devices and device == "cuda" and args.executor_backend != "ray":
         import torch
 
         visible = torch.cuda.device_count()

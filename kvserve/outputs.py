@@ -52,3 +52,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
+    num_preemptions: int = 0  # how often this request (all its samples) was preempted so far

@@ -34,6 +34,7 @@ EOS = 3
 
 # n > 1 sibling sharing (Request.prefix_source_id), where this version of the core has it.
 HAS_SIBLINGS = "prefix_source_id" in Request.__dataclass_fields__
+HAS_SWAP = "preemption_mode" in SchedulerConfig.__dataclass_fields__
 
 
 @dataclass
@@ -54,6 +55,11 @@ class Cfg:
     chunked: bool
     caching: bool
     async_scheduling: bool = False
+    # Swap preemption: CPU blocks, and for "auto" the costs it compares (recompute per token, swap per block).
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+    recompute_cost: float = 1.0
+    swap_cost: float = 1.0
 
 
 def content_token(rid: str, attended: list[int]) -> int:
@@ -69,13 +75,17 @@ class Harness:
 
     def __init__(self, cfg: Cfg, seed: int = 0, token_fn: Callable[[str, list[int]], int] | None = None):
         self.cfg = cfg
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
+                                 **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}))
+        swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
+                    swap_seconds_per_block=cfg.swap_cost) if cfg.preemption_mode != "recompute" else {}
         self.sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_model_len=cfg.max_model_len,
                 enable_chunked_prefill=cfg.chunked,
+                **swap,
             ),
             self.kv,
         )
@@ -84,6 +94,8 @@ class Harness:
         self.all: dict[str, Request] = {}  # every accepted request, finished ones included
         self.rejected: list[str] = []
         self.physical: dict[int, list] = {}  # simulated KV: block id -> per-slot token (None = never written)
+        self.cpu_physical: dict[int, list] = {}  # the same for CPU (swap) blocks
+        self.num_swapped_out = self.num_swapped_in = 0
         self.runner_tables: dict[str, list[int]] = {}  # the runner's view of each block table
         # Steps scheduled and run whose sampled tokens the scheduler has not seen yet (update pending),
         # oldest first: empty in sync mode between operations, at most one in async mode.
@@ -191,6 +203,7 @@ class Harness:
         assert not self.unapplied
         assert self.kv.pool.num_free_blocks == self.cfg.num_blocks
         assert self.kv.req_to_blocks == {}
+        assert _swap_space_free(self.kv)
         assert self.sched.requests == {}
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
         for r in self.all.values():
@@ -214,6 +227,13 @@ class Harness:
         bs = self.cfg.block_size
         for rid in out.finished_req_ids + out.preempted_req_ids:
             self.runner_tables.pop(rid, None)
+        # Swap copies before the forward, swap-outs first (a block swapped out may be swapped into).
+        for gpu, cpu in getattr(out, "blocks_to_swap_out", ()):
+            self.cpu_physical[cpu] = list(self.physical.get(gpu, [None] * bs))
+            self.num_swapped_out += 1
+        for gpu, cpu in getattr(out, "blocks_to_swap_in", ()):
+            self.physical[gpu] = list(self.cpu_physical[cpu])
+            self.num_swapped_in += 1
         for s in out.scheduled:
             if s.is_new:
                 self.runner_tables[s.request_id] = list(s.new_block_ids)
@@ -247,6 +267,10 @@ class Harness:
                 sampled[s.request_id] = tok
                 self.last_sampled[s.request_id] = (end, tok)
         return sampled
+
+    def _read_cpu(self, table: list[int], n: int) -> list:
+        bs = self.cfg.block_size
+        return [self.cpu_physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
 
     def _read(self, table: list[int], n: int) -> list:
         bs = self.cfg.block_size
@@ -344,10 +368,18 @@ class Harness:
                 continue
             computed, pending, _ = before[id(r)]
             if r.request_id in out.preempted_req_ids:
-                assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0
+                assert r.status == RequestStatus.PREEMPTED
+                # Swapped out: it keeps its computed count (the K/V waits on the CPU); else it recomputes.
+                assert r.num_computed_tokens == (computed if _is_swapped(self.kv, r) else 0)
             else:
                 assert r.num_computed_tokens == computed
             assert r.num_pending_outputs == pending
+        swapped_in = {s.request_id for s in out.scheduled if s.is_new and before[id(s.request)][0] > 0}
+        in_blocks = [g for g, _ in getattr(out, "blocks_to_swap_in", ())]
+        assert len(set(in_blocks)) == len(in_blocks)
+        assert set(in_blocks) <= {b for rid in swapped_in for b in self.kv.block_ids(rid)}
+        if getattr(out, "blocks_to_swap_out", None):
+            assert out.preempted_req_ids and not out.blocks_to_swap_in  # swap-outs only in a preempting step
         for s in out.scheduled:
             r = self.all[s.request_id]
             assert s.request is r
@@ -357,7 +389,10 @@ class Harness:
             # Only the step being applied next can be in flight (none in sync mode).
             assert pending <= (1 if c.async_scheduling else 0)
             end = s.start_pos + len(s.token_ids)
-            if s.is_new:
+            if s.is_new and s.request_id in swapped_in:
+                # Resumed from the swap space where it stopped, its K/V copied back.
+                assert s.start_pos == computed > 0 and pending == 0
+            elif s.is_new:
                 # Admitted from the queue, where nothing is computed; a request preempted while a
                 # step was in flight waits for that step's update before it is admitted again.
                 assert computed == 0 and pending == 0
@@ -380,6 +415,8 @@ class Harness:
             if not c.chunked:
                 # Without chunked prefill a prompt (or a resumed request) is computed in one go.
                 assert s.needs_sample
+            if s.request_id in swapped_in:
+                continue
             if s.is_new and not c.caching and getattr(r, "prefix_source_id", None) is None:
                 assert s.start_pos == 0  # nothing to reuse without the prefix cache or a sibling
             if s.is_new and c.caching:
@@ -425,8 +462,15 @@ class Harness:
                 assert EOS not in r.output_token_ids  # it would have stopped
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0
             assert r.request_id not in kv.req_to_blocks
+            if _is_swapped(kv, r):
+                # Swapped out: its computed K/V is on the CPU, one CPU block per GPU block it had.
+                cpu_table = kv.swap_space.req_to_blocks[r.request_id]
+                assert r.status == RequestStatus.PREEMPTED
+                assert len(cpu_table) == cdiv(r.num_computed_tokens, c.block_size)
+                assert self._read_cpu(cpu_table, r.num_computed_tokens) == self._truth(r)[: r.num_computed_tokens]
+            else:
+                assert r.num_computed_tokens == 0
         for r in running:
             assert r.status == RequestStatus.RUNNING
             table = kv.block_ids(r.request_id)
@@ -459,6 +503,23 @@ class Harness:
             assert kv.pool.blocks[block_id].block_hash == block_hash
             assert self.physical.get(block_id) == self._hash_tokens[block_hash], f"cached block {block_id}"
         assert sched.num_preemptions == sum(r.num_preemptions for r in self.all.values())
+        by_mode = getattr(sched, "num_preemptions_by_mode", None)
+        if by_mode is not None:
+            assert sum(by_mode.values()) == sched.num_preemptions
+            if c.preemption_mode == "recompute":
+                assert by_mode["swap"] == 0
+        if hasattr(kv, "swap_space"):
+            # Swapped requests are exactly the waiting ones holding CPU blocks.
+            assert set(kv.swap_space.req_to_blocks) <= {r.request_id for r in waiting}
+
+
+def _is_swapped(kv, r: Request) -> bool:
+    return hasattr(kv, "swap_space") and kv.swap_space.holds(r.request_id)
+
+
+def _swap_space_free(kv) -> bool:
+    return not hasattr(kv, "swap_space") or (
+        kv.swap_space.num_free_blocks == kv.swap_space.num_blocks and not kv.swap_space.req_to_blocks)
 
 
 # ---- the state machine ---------------------------------------------------------------------------
@@ -479,8 +540,15 @@ def configs(draw):
     max_num_batched_tokens = draw(st.integers(lo, lo + 24), label="max_num_batched_tokens")
     caching = draw(st.booleans(), label="caching")
     async_scheduling = draw(st.booleans(), label="async_scheduling")
+    # Swap preemption where the core has it; a small swap space often, so it fills and falls back.
+    swap = {}
+    if HAS_SWAP:
+        mode = draw(st.sampled_from(["recompute", "swap", "auto"]), label="preemption_mode")
+        if mode != "recompute":
+            swap = dict(preemption_mode=mode, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
+                        swap_cost=draw(st.sampled_from([0.01, 1.0, 100.0]), label="swap_cost"))
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
-               async_scheduling)
+               async_scheduling, **swap)
 
 
 def tokens(min_size: int, max_size: int):
@@ -985,3 +1053,63 @@ def test_async_finish_between_schedule_and_update(status):
     assert out.is_empty and set(out.finished_req_ids) == {a.request_id, b.request_id}
     h.drain()
     assert a.num_output_tokens == 1 and b.num_output_tokens == 2
+
+
+# ---- swap preemption --------------------------------------------------------------------------------
+
+
+SWAP_WORKLOAD = [([i % ALPHABET] * 9 + [1, 2, i % 3], 14, True) for i in range(5)]
+
+
+@pytest.mark.skipif(not HAS_SWAP, reason="this core has no swap preemption")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("mode,cpu_blocks,swap_cost", [
+    ("swap", 64, 1.0), ("swap", 1, 1.0), ("auto", 64, 0.01), ("auto", 64, 100.0), ("auto", 64, 2.5)])
+def test_swap_gives_the_same_tokens_as_recompute(async_scheduling, mode, cpu_blocks, swap_cost):
+    """Under heavy preemption (6 blocks of 4 tokens for 5 requests of up to 24 tokens), swapping, swapping
+    into a swap space too small for everyone (falls back to recompute), and auto at costs that favour
+    either side all produce the tokens recompute does; no block leaks on either side."""
+    base = Cfg(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=24,
+               chunked=True, caching=True, async_scheduling=async_scheduling)
+    recompute_h, recompute_out = _run_workload(base, SWAP_WORKLOAD, [])
+    cfg = dataclasses.replace(base, preemption_mode=mode, num_cpu_blocks=cpu_blocks, swap_cost=swap_cost)
+    h, out = _run_workload(cfg, SWAP_WORKLOAD, [])
+    assert out == recompute_out
+    assert recompute_h.sched.num_preemptions > 0 and h.sched.num_preemptions > 0
+    by_mode = h.sched.num_preemptions_by_mode
+    if mode == "swap" and cpu_blocks == 64 or (mode == "auto" and swap_cost == 0.01):
+        assert by_mode["swap"] == h.sched.num_preemptions and h.num_swapped_out > 0
+        assert h.num_swapped_in == h.num_swapped_out  # every swapped block came back (all requests finished)
+    if mode == "swap" and cpu_blocks == 1:
+        assert by_mode["recompute"] > 0  # the swap space filled up
+    if mode == "auto" and swap_cost == 100.0:
+        assert by_mode["swap"] == 0  # copying a block costs more than recomputing up to 24 tokens
+    h.kv.check_invariants()
+
+
+@pytest.mark.skipif(not HAS_SWAP, reason="this core has no swap preemption")
+def test_auto_chooses_by_cost_per_victim():
+    """auto swaps a victim when copying its blocks both ways (blocks x swap cost) is cheaper than
+    recomputing its tokens (tokens x recompute cost)."""
+    kv = KVCacheManager(8, 4, num_cpu_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                                      preemption_mode="auto", recompute_seconds_per_token=1.0,
+                                      swap_seconds_per_block=3.0), kv)
+    short, long_ = Request("short", [0] * 3, Params(8)), Request("long", [1] * 13, Params(8))
+    sched.add_request(short)
+    sched.add_request(long_)
+    out = sched.schedule()
+    assert kv.num_blocks_held(short) == 1 and kv.num_blocks_held(long_) == 4
+    # short: 3 tokens x 1.0 = 3 vs 1 block x 3.0 = 3: not cheaper, recompute.
+    # long: 13 tokens x 1.0 = 13 vs 4 blocks x 3.0 = 12: swap.
+    assert sched._preemption_mode(short) == "recompute" and sched._preemption_mode(long_) == "swap"
+    sched.update(out, {"short": 0, "long": 0})
+    sched.running.remove(long_)
+    sched._preempt(long_, out)
+    assert kv.is_swapped(long_) and long_.num_computed_tokens == 13
+    assert out.blocks_to_swap_out == list(zip([1, 2, 3, 4], kv.swap_space.req_to_blocks["long"]))
+    event = out.preemptions[-1]
+    assert (event.mode, event.num_tokens, event.num_blocks) == ("swap", 13, 4)
+    sched.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)  # aborted while swapped: CPU blocks freed
+    assert kv.swap_space.num_free_blocks == 8
+    kv.check_invariants()

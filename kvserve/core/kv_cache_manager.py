@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvserve.core.request import Request
+from kvserve.core.swap_space import SwapSpace
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,10 +24,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.swap_space = SwapSpace(num_cpu_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -128,6 +130,44 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         # Tail first, so a shared prefix is the last to be evicted.
         self.pool.free(blocks[::-1])
+        self.swap_space.free(request.request_id)  # aborted while swapped out
+
+    # ---- swap preemption -------------------------------------------------------------------------
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self.req_to_blocks.get(request.request_id, ()))
+
+    def is_swapped(self, request: Request) -> bool:
+        return self.swap_space.holds(request.request_id)
+
+    def can_swap_out(self, request: Request) -> bool:
+        n = self.num_blocks_held(request)
+        return 0 < n <= self.swap_space.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Moves the request's K/V to CPU blocks and frees its GPU blocks; returns (gpu_block, cpu_block)
+        pairs for the runner to copy before the step's forward reuses those GPU blocks."""
+        gpu_ids = self.block_ids(request.request_id)
+        cpu_ids = self.swap_space.allocate(request.request_id, len(gpu_ids))
+        blocks = self.req_to_blocks.pop(request.request_id)
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(blocks[::-1])
+        return list(zip(gpu_ids, cpu_ids))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[tuple[int, int]], list[int]] | None:
+        """Fresh GPU blocks for a swapped-out request's K/V, plus room for `num_new_tokens` more; returns
+        ((gpu_block, cpu_block) pairs to copy back, the request's whole new block table), or None if the
+        GPU blocks are not free. Its CPU blocks are free once the copy is queued (steps run in order)."""
+        cpu_ids = self.swap_space.req_to_blocks[request.request_id]
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if max(total, len(cpu_ids)) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(len(cpu_ids))
+        self.req_to_blocks[request.request_id] = list(blocks)
+        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu_ids)]
+        self.swap_space.free(request.request_id)
+        new_ids = self.allocate_slots(request, num_new_tokens)
+        assert new_ids is not None  # checked above
+        return pairs, [gpu for gpu, _ in pairs] + new_ids
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -142,3 +182,5 @@ class KVCacheManager:
                 holders[b.block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
+        self.swap_space.check_invariants()
+        assert set(self.swap_space.req_to_blocks).isdisjoint(self.req_to_blocks), "request on GPU and CPU"

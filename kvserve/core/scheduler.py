@@ -23,6 +23,9 @@ _WAIT = object()  # admission of this request must wait for another one to progr
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int
@@ -33,6 +36,25 @@ class SchedulerConfig:
     # (its next chunk needs the K/V and the token of the last): running requests in a batch still in
     # flight are skipped, so no placeholder is ever scheduled. False: async scheduling's placeholders.
     exclusive_batches: bool = False
+    # recompute: drop a victim's K/V and prefill it again; swap: copy its blocks to CPU and back (falls
+    # back to recompute when the swap space is full); auto: whichever costs less for this victim.
+    preemption_mode: str = "recompute"
+    # Costs that `auto` compares (measured at start-up): recomputing one token; copying one block out and in.
+    recompute_seconds_per_token: float = 0.0
+    swap_seconds_per_block: float = 0.0
+
+
+@dataclass
+class PreemptionEvent:
+    """One preemption, as the engine logs it."""
+
+    request_id: str
+    mode: str  # "recompute" | "swap"
+    num_tokens: int  # K/V tokens dropped (to recompute) or kept on CPU (swapped)
+    num_blocks: int  # GPU blocks freed
+    kv_usage: float  # GPU KV usage after the preemption
+    num_running: int
+    num_waiting: int
 
 
 @dataclass
@@ -61,6 +83,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished since the last step, so the runner can drop per-request state.
     finished_req_ids: list[str] = field(default_factory=list)
+    # Block copies the runner does before the step's forward, swap-outs first: (gpu_block, cpu_block).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preemptions: list[PreemptionEvent] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +104,9 @@ class Scheduler:
         self.num_preemptions = 0
         # request id -> scheduled batches not yet passed to update() that hold it
         self.in_flight: dict[str, int] = {}
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        if config.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode {config.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
 
     # ---- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -139,7 +168,7 @@ class Scheduler:
                 if new_block_ids is not None:
                     break
                 victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     break
@@ -161,6 +190,12 @@ class Scheduler:
                 break
             if self.config.exclusive_batches and req.request_id in self.in_flight:
                 break  # preempted while a chunk of it is in flight: resume once that batch is back
+            if self.kv.is_swapped(req):
+                num_new = self._swap_in(req, budget, out)
+                if num_new is None:
+                    break
+                budget -= num_new
+                continue
             shared = self._sibling_prefix(req) if req.prefix_source_id is not None else None
             if shared is _WAIT:
                 break
@@ -230,14 +265,51 @@ class Scheduler:
             req.num_pending_outputs += 1
         return sched
 
-    def _preempt(self, req: Request) -> None:
-        # Recompute mode: drop the K/V; prompt + outputs so far are prefilled again on resumption.
-        self.kv.free(req)
+    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Resumes a swapped-out request where it stopped; returns the tokens scheduled, or None to wait."""
+        num_new = req.num_tokens - req.num_computed_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        swapped = self.kv.swap_in(req, num_new)
+        if swapped is None:
+            return None
+        pairs, block_ids = swapped
+        self.waiting.popleft()
+        out.blocks_to_swap_in.extend(pairs)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(self._scheduled(req, num_new, block_ids, is_new=True))
+        return num_new
+
+    def _preemption_mode(self, req: Request) -> str:
+        cfg = self.config
+        if cfg.preemption_mode == "recompute" or not self.kv.can_swap_out(req):
+            return "recompute"  # also when the swap space is full
+        if cfg.preemption_mode == "swap":
+            return "swap"
+        recompute = req.num_computed_tokens * cfg.recompute_seconds_per_token
+        swap = self.kv.num_blocks_held(req) * cfg.swap_seconds_per_block
+        return "swap" if swap < recompute else "recompute"
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        mode = self._preemption_mode(req)
+        num_blocks, num_tokens = self.kv.num_blocks_held(req), req.num_computed_tokens
+        if mode == "swap":
+            # Its K/V waits on the CPU; it resumes where it stopped.
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+        else:
+            # Drop the K/V; prompt + outputs so far are prefilled again on resumption.
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_mode[mode] += 1
         self.waiting.appendleft(req)
+        out.preemptions.append(PreemptionEvent(req.request_id, mode, num_tokens, num_blocks, self.kv.usage(),
+                                               len(self.running), len(self.waiting)))
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the step's sampled tokens and finish requests; returns those touched."""

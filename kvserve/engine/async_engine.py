@@ -357,7 +357,8 @@ class AsyncEngine:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream.finished = True
-                stream.fail(EngineFailedError("The engine failed while running this request; see the server log."))
+                stream.fail(EngineFailedError(getattr(batch, "failed_reason", None)
+                                              or "The engine failed while running this request; see the server log."))
         num_prompt = num_generated = 0
         for out in outputs:
             stream = self._streams.get(out.request_id)

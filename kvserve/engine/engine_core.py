@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.executor.abstract import ExecutorDeadError
+from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class EngineBatch:
     outputs: list[RequestOutput]
     failed: list[str]  # requests aborted because the step failed
     stats: object  # EngineStats
+    failed_reason: str | None = None  # why they failed, for the client (None: see the server log)
 
 
 class EngineCore:
@@ -65,9 +67,14 @@ class EngineCore:
                     return
             outputs: list[RequestOutput] = []
             failed: list[str] = []
+            failed_reason = None
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except StepOutOfMemoryError as e:  # the engine already aborted the step's requests; the rest go on
+                    failed = [rid for rid in e.request_ids if rid in self.live]
+                    self.live.difference_update(failed)
+                    failed_reason = str(e)
                 except Exception as e:  # abort what was running; keep serving the rest
                     logger.exception("Engine step failed; aborting the %d requests in flight", len(self.live))
                     failed = list(self.live)
@@ -79,7 +86,7 @@ class EngineCore:
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
-            publish(EngineBatch(accepted, outputs, failed, engine.get_stats()))
+            publish(EngineBatch(accepted, outputs, failed, engine.get_stats(), failed_reason))
 
 
 def _portable(e: Exception) -> Exception:

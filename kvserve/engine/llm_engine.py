@@ -11,7 +11,7 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,11 +21,14 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.preemption_log import PreemptionLog
+from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.executor.abstract import Executor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker import memory
 from kvserve.worker.runner_output import PendingOutput
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -62,8 +66,11 @@ class LLMEngine:
         self.executor = Executor.create(config)
         num_blocks = self.executor.initialize()
         logger.info("Engine ready in %.1f s (%s, %s)", time.perf_counter() - t0, config.dtype, config.device)
+        self.num_kv_blocks = num_blocks
+        swap = self._init_swap_space()
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -71,9 +78,11 @@ class LLMEngine:
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 exclusive_batches=args.pipeline_parallel_size > 1,
+                **swap,
             ),
             self.kv_cache_manager,
         )
+        self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
         self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
@@ -91,6 +100,33 @@ class LLMEngine:
         # Core ids of live requests whose sampling reads their output history (penalties, bad words):
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
+        self._carried_outputs: list[RequestOutput] = []
+        self._scheduled_now: SchedulerOutput | None = None
+
+    def _init_swap_space(self) -> dict:
+        """--swap-space and --preemption-mode: the CPU blocks, and for auto the two costs it compares."""
+        args = self.config.args
+        bytes_per_block = self.executor.kv_bytes_per_block
+        mode = getattr(args, "preemption_mode", "recompute")
+        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        if mode != "recompute" and num_cpu_blocks == 0:
+            logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
+                           bytes_per_block)
+            mode = "recompute"
+        swap = dict(num_cpu_blocks=num_cpu_blocks, preemption_mode=mode)
+        if mode == "recompute":
+            return swap
+        self.executor.collective_rpc("initialize_swap_space", num_cpu_blocks)
+        if mode == "auto":
+            # Every rank does the same work in lockstep: the driver's measurement stands for all.
+            recompute, copy = self.executor.collective_rpc(
+                "measure_preemption_costs", min(512, self.config.max_num_batched_tokens, self.config.max_model_len))[0]
+            swap.update(recompute_seconds_per_token=recompute, swap_seconds_per_block=copy)
+            logger.info("Preemption costs: recompute %.4f ms per token, swap out and in %.4f ms per block of %d "
+                        "tokens", recompute * 1e3, copy * 1e3, args.block_size)
+        logger.info("Swap space: %.2f GiB = %d blocks (%d tokens); preemption mode %s", args.swap_space,
+                    num_cpu_blocks, num_cpu_blocks * args.block_size, mode)
+        return swap
 
     @property
     def runner(self):
@@ -175,22 +211,35 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._pipeline)
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._pipeline)
+                or bool(self._carried_outputs))
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.max_batches_in_flight > 1:
-            return self._pipelined_step()
-        outputs = []
+        # Outputs of a step that completed before an out-of-memory error in the same call.
+        outputs, self._carried_outputs = self._carried_outputs, []
+        self._scheduled_now = None
+        try:
+            if self.max_batches_in_flight > 1:
+                return outputs + self._pipelined_step()
+            return self._step(outputs)
+        except torch.OutOfMemoryError as e:
+            raise self._fail_step_out_of_memory(e, outputs) from e
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        sched_out = self.scheduler.schedule()
+        self._scheduled_now = sched_out = self.scheduler.schedule()
+        if sched_out.preemptions:
+            self.preemption_log.report(sched_out.preemptions)
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
+        if not sched_out.is_empty:
+            memory.maybe_inject_oom("step")
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -204,7 +253,9 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
-        sched_out = self.scheduler.schedule()
+        self._scheduled_now = sched_out = self.scheduler.schedule()
+        if sched_out.preemptions:
+            self.preemption_log.report(sched_out.preemptions)
         if not sched_out.is_empty:
             self._pipeline.append(InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out)))
         outputs = []
@@ -213,6 +264,35 @@ class LLMEngine:
         if self._pipeline and (sched_out.is_empty or len(self._pipeline) >= self.max_batches_in_flight):
             outputs += self._finish(self._pipeline.popleft())
         return outputs
+
+    def _fail_step_out_of_memory(self, error: Exception, outputs: list[RequestOutput]) -> StepOutOfMemoryError:
+        """A step ran out of device memory: its requests (and those of a step in flight) fail, everything
+        else keeps running, and the log says which setting to lower. Requests are not retried: a smaller
+        batch is what the next steps get anyway once these are gone."""
+        steps = [s for s in (self._scheduled_now, self._in_flight.sched_out if self._in_flight else None) if s]
+        self._in_flight = None
+        core_ids = {s.request_id for step in steps for s in step.scheduled}
+        parents = sorted({self.output_processor.samples[c].parent.request_id
+                          for c in core_ids if c in self.output_processor.samples})
+        num_tokens = max((step.total_num_scheduled_tokens for step in steps), default=0)
+        num_reqs = max((len(step.scheduled) for step in steps), default=0)
+        self.abort_request(parents)
+        # What completed earlier in this call is still delivered (next call); a failed request's partial output is not.
+        self._carried_outputs = [o for o in outputs if o.finished or o.request_id not in set(parents)]
+        if self.config.device == "cuda":
+            torch.cuda.empty_cache()
+        args = self.config.args
+        if num_tokens > 2 * num_reqs:  # a prefill-heavy step: its token budget is what to cut
+            flag, value = "--max-num-batched-tokens", max(args.max_num_seqs, num_tokens // 2)
+        else:
+            flag, value = "--max-num-seqs", max(1, num_reqs // 2)
+        advice = (f"lower {flag} to {value} (or --gpu-memory-utilization to "
+                  f"{max(0.05, round(args.gpu_memory_utilization - 0.05, 2))} to leave more room for activations)")
+        logger.error("Out of memory in a step of %d requests and %d tokens (%s); failed those %d requests, the "
+                     "engine goes on. To avoid it, %s.", num_reqs, num_tokens, error, len(parents), advice)
+        return StepOutOfMemoryError(
+            f"The engine ran out of memory while running this request's step ({num_reqs} requests, {num_tokens} "
+            f"tokens); the request failed and was not retried. The server operator should {advice}.", parents)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
@@ -228,5 +308,6 @@ class LLMEngine:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
         )
 

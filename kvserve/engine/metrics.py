@@ -55,7 +55,11 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        # By mode (recompute | swap): what each preemption cost differs by orders of magnitude.
+        self._num_preemptions = Counter(PREFIX + "num_preemptions", "Cumulative number of preemptions, by mode.",
+                                        labels + ["mode"], registry=self.registry)
+        self.num_preemptions = {mode: self._num_preemptions.labels(model_name=model_name, mode=mode)
+                                for mode in ("recompute", "swap")}
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
@@ -74,7 +78,7 @@ class EngineMetrics:
             "iteration_tokens_total", "Number of tokens per engine step.", _ITERATION_TOKEN_BUCKETS)
 
         # The engine reports cumulative totals; counters advance by the difference.
-        self._last_totals = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._last_totals = {"queries": 0, "hits": 0, "preemptions_recompute": 0, "preemptions_swap": 0}
         self.log = ThroughputLog()
 
     # ---- what the async engine reports -----------------------------------------------------------
@@ -83,10 +87,11 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        by_mode = getattr(stats, "num_preemptions_by_mode", None) or {"recompute": stats.num_preemptions}
         for key, value, counter in (
             ("queries", stats.prefix_cache_queries, self.prefix_cache_queries),
             ("hits", stats.prefix_cache_hits, self.prefix_cache_hits),
-            ("preemptions", stats.num_preemptions, self.num_preemptions),
+            *((f"preemptions_{mode}", n, self.num_preemptions[mode]) for mode, n in by_mode.items()),
         ):
             if value > self._last_totals[key]:
                 counter.inc(value - self._last_totals[key])

@@ -178,6 +178,7 @@ class OutputProcessor:
             num_cached_tokens=max(leader.num_cached_tokens, 0),
             metrics=parent.metrics,
             prompt_logprobs=prompt_logprobs,
+            num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
         )
 
     def _completion(self, state: SampleState, delta: bool) -> CompletionOutput:

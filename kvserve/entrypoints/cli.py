@@ -1,4 +1,4 @@
-"""`kvserve` command line: `kvserve serve`, `kvserve chat`, `kvserve generate`, `kvserve bench`."""
+"""`kvserve` command line: `kvserve serve`, `kvserve chat`, `kvserve generate`, `kvserve bench`, `kvserve plan`, `kvserve tune`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+
+    from kvserve.entrypoints import plan
+
+    plan_parser = sub.add_parser("plan", help="Will MODEL fit? Memory per GPU and what to change (reads config only).")
+    plan.add_arguments(plan_parser)
+    plan_parser.set_defaults(func=plan.run)
+
+    from kvserve.bench import tune
+
+    tune_parser = sub.add_parser("tune", help="Short benchmarks in the tuning order; prints the best command line.",
+                                 description=tune.__doc__.split("\n\n")[0])
+    tune.add_arguments(tune_parser)
+    tune_parser.set_defaults(func=tune.run)
     return parser
 
 

@@ -60,6 +60,7 @@ class Executor:
         limiting = min(range(len(sizes)), key=lambda r: per_rank[r])
         num_blocks = per_rank[limiting]
         kv_bytes, per_block = sizes[limiting]
+        self.kv_bytes_per_block = per_block  # the limiting rank's: swap space is sized in its blocks
         if len(sizes) > 1:
             logger.info("KV blocks per rank: %s; using the minimum, %d (rank %d)", per_rank, num_blocks, limiting)
         memory.check_max_model_len_fits(config, num_blocks, per_block, kv_bytes)

@@ -25,7 +25,6 @@ from kvserve.worker.step_inputs import fill_placeholders
 
 logger = logging.getLogger(__name__)
 
-MIXED_TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -35,10 +34,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))
-
-
-def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
-    return [t for t in MIXED_TOKEN_SIZES if t <= max_num_batched_tokens]
 
 
 def _aligned(n: int) -> int:

@@ -1,114 +1,325 @@
-"""How many KV blocks this engine gets, and a clear error when max_model_len cannot fit."""
+"""Start-up memory: how many KV blocks this engine gets, and what to change when memory runs out.
+
+The arithmetic lives in memory_plan (torch-free, shared with `kvserve plan`); this module measures the
+device and runs the start-up phases. Each phase turns an out-of-memory error into a StartupMemoryError
+naming the phase, the numbers (needed, available, held by others) and one flag with a value.
+
+Fault injection (tests): KVSERVE_INJECT_OOM="<phase>[,<phase>...]" raises torch.OutOfMemoryError at the
+start of those phases (load_weights, profile, kv_cache, cuda_graphs) or, for "step", in the next step
+(once per process: an injected step OOM is consumed when raised).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+
+import torch
 
 from kvserve.config import EngineConfig
+from kvserve.worker import memory_plan
+from kvserve.worker.memory_plan import GiB
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
+DEFAULT_CPU_KV_CACHE_BYTES = memory_plan.DEFAULT_CPU_KV_CACHE_BYTES
+
+LOADING_WEIGHTS = "loading weights"
+PROFILING = "profiling activations"
+ALLOCATING_KV = "allocating KV cache"
+CAPTURING_GRAPHS = "capturing CUDA graphs"
+_PHASE_KEYS = {LOADING_WEIGHTS: "load_weights", PROFILING: "profile", ALLOCATING_KV: "kv_cache",
+               CAPTURING_GRAPHS: "cuda_graphs"}
+INJECT_ENV = "KVSERVE_INJECT_OOM"
+_step_injections = {"setting": None, "used": 0}
+
+
+def maybe_inject_oom(key: str) -> None:
+    """Raise an injected OOM when KVSERVE_INJECT_OOM names `key` (tests only)."""
+    setting = os.environ.get(INJECT_ENV, "")
+    wanted = [k.strip() for k in setting.split(",") if k.strip()]
+    if key not in wanted:
+        return
+    if key == "step":
+        # "step" fails as many steps as it is listed (counted afresh whenever the setting changes).
+        if _step_injections["setting"] != setting:
+            _step_injections.update(setting=setting, used=0)
+        if _step_injections["used"] >= wanted.count("step"):
+            return
+        _step_injections["used"] += 1
+    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV}={key})")
+
+
+def reset_oom_injection() -> None:
+    _step_injections.update(setting=None, used=0)
+
+
+class StartupMemoryError(ValueError):
+    """Start-up ran out of memory (or would): which phase, the numbers, and the one flag to change."""
+
+    def __init__(self, phase: str, message: str, flag: str, value=None, needed: int | None = None,
+                 available: int | None = None, others: int | None = None):
+        self.phase, self.flag, self.value = phase, flag, value
+        self.needed, self.available, self.others = needed, available, others
+        suggestion = flag if value is None else f"{flag} {value}"
+        super().__init__(f"Out of memory while {phase}: {message} Try {suggestion}.")
+
+
+# ---- shared arithmetic, with this engine's settings ----------------------------------------------
+def parallel_sizes(config: EngineConfig) -> tuple[int, int]:
+    args = config.args
+    return getattr(args, "tensor_parallel_size", 1) or 1, getattr(args, "pipeline_parallel_size", 1) or 1
+
+
+def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others_bytes: int = 0
+                ) -> memory_plan.PlanInputs:
+    """The engine's settings as memory_plan sees them (the same inputs `kvserve plan` builds)."""
+    args = config.args
+    tp, pp = parallel_sizes(config)
+    quant = getattr(args, "quantization", None)
+    return memory_plan.PlanInputs(
+        model_config=config.model_config, dtype=config.dtype, max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), tensor_parallel_size=tp,
+        pipeline_parallel_size=pp, quantization=None if quant in (None, "none") else quant,
+        enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, total_gpu_bytes=total_gpu_bytes,
+        others_bytes=others_bytes,
+    )
+
+
+def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
+    tp, pp = parallel_sizes(config)
+    return memory_plan.rank_shapes(config.model_config, tp, pp)[stage]
+
+
+def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:
+    kv_dtype = memory_plan.kv_cache_dtype_bytes(getattr(config.args, "kv_cache_dtype", "auto"), config.dtype)
+    return memory_plan.kv_bytes_per_token(rank_shape(config, stage), kv_dtype) * config.args.block_size
+
+
+def estimated_weight_bytes(config: EngineConfig, stage: int = 0) -> int:
+    quant = getattr(config.args, "quantization", None)
+    return memory_plan.weight_bytes(rank_shape(config, stage), memory_plan.DTYPE_BYTES[config.dtype],
+                                    None if quant in (None, "none") else quant)
 
 
 def kv_cache_bytes_cpu(config: EngineConfig, bytes_per_block: int) -> int:
-    """On CPU there is no device memory to measure: a fixed budget (like vLLM's CPU KV space), capped at
-    what max_num_seqs requests of max_model_len tokens could ever use."""
     args = config.args
     if args.kv_cache_memory_bytes is not None:
         return args.kv_cache_memory_bytes
-    blocks_per_seq = -(-config.max_model_len // args.block_size)
-    useful = args.max_num_seqs * blocks_per_seq * bytes_per_block
-    return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
+    return memory_plan.cpu_kv_cache_bytes(args.max_num_seqs, config.max_model_len, args.block_size, bytes_per_block)
 
 
 def num_blocks_from_bytes(kv_bytes: int, bytes_per_block: int) -> int:
     return kv_bytes // bytes_per_block
 
 
-def check_max_model_len_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int, kv_bytes: int) -> None:
-    """Fail at start-up, not mid-request, when one full-length request cannot fit in the KV cache."""
-    block_size = config.args.block_size
-    capacity_tokens = num_blocks * block_size
-    if capacity_tokens >= config.max_model_len:
-        return
-    needed_blocks = -(-config.max_model_len // block_size)
-    needed = needed_blocks * bytes_per_block
-    where = "--kv-cache-memory-bytes" if config.device == "cpu" else "--gpu-memory-utilization (or --kv-cache-memory-bytes)"
-    raise ValueError(
-        f"The model's max seq len ({config.max_model_len}) is larger than the maximum number of tokens "
-        f"that can be stored in the KV cache ({capacity_tokens}). One request of max_model_len tokens "
-        f"needs {needed / GiB:.3f} GiB of KV cache, but only {kv_bytes / GiB:.3f} GiB is available. "
-        f"Use --max-model-len {capacity_tokens} or less, or give the KV cache more memory with "
-        f"{where}."
-    )
-
-
 def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
     tokens = num_blocks * config.args.block_size
     logger.info("Available KV cache memory: %.2f GiB", kv_bytes / GiB)
     logger.info("%s KV cache size: %d tokens", "GPU" if config.device == "cuda" else "CPU", tokens)
-    logger.info(
-        "Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len, tokens / config.max_model_len
-    )
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len,
+                memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len))
 
 
-def check_weights_fit(config: EngineConfig, free_bytes: int, total_bytes: int, dtype_bytes: int) -> None:
-    """Before loading: a model whose weights alone exceed the budget fails with what to change."""
-    weights = config.model_config.num_params() * dtype_bytes
-    budget = total_bytes * config.args.gpu_memory_utilization - (total_bytes - free_bytes)
-    if weights > budget:
-        raise ValueError(
-            f"The model's weights need {weights / GiB:.2f} GiB ({config.dtype}), but only {max(budget, 0) / GiB:.2f} "
-            f"GiB of the {total_bytes / GiB:.2f} GiB GPU is available to this engine (--gpu-memory-utilization "
-            f"{config.args.gpu_memory_utilization}, {(total_bytes - free_bytes) / GiB:.2f} GiB already in use by "
-            f"other processes). Use a quantized checkpoint (--quantization), split the model across GPUs "
-            f"(--tensor-parallel-size), pick a smaller model, or raise --gpu-memory-utilization."
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory (the CPU engine's 'device')."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, total
+    except OSError:
+        pass
+    return total, total
+
+
+def _gib(b: int | float | None) -> str:
+    return "?" if b is None else f"{b / GiB:.2f} GiB"
+
+
+def _round_down_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+class StartupMemory:
+    """Measures the device once before loading, then sizes the KV cache and reports failures by phase."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.on_gpu = config.device == "cuda"
+        if self.on_gpu:
+            self.free_at_start, self.total = torch.cuda.mem_get_info()
+            self.allocated_at_start = torch.cuda.memory_allocated()
+            self.reserved_at_start = torch.cuda.memory_reserved()
+        else:
+            self.free_at_start, self.total = _host_memory()
+            self.allocated_at_start = self.reserved_at_start = 0
+        self.others = self.total - self.free_at_start
+        self.weights: int | None = None
+        self.activation_peak: int | None = None
+
+    def free_now(self) -> int:
+        return torch.cuda.mem_get_info()[0] if self.on_gpu else _host_memory()[0]
+
+    @property
+    def budget(self) -> int:
+        """What this engine may use on its device beyond what others held at start."""
+        return memory_plan.gpu_budget_bytes(self.total, self.config.args.gpu_memory_utilization) - self.others
+
+    # ---- phases ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, needed: int | None = None):
+        """Runs one start-up phase; an OOM inside becomes a StartupMemoryError with that phase's advice."""
+        try:
+            maybe_inject_oom(_PHASE_KEYS[name])
+            yield
+        except torch.OutOfMemoryError as e:
+            if self.on_gpu:
+                torch.cuda.empty_cache()
+            raise self._oom_error(name, needed) from e
+
+    def _oom_error(self, phase: str, needed: int | None) -> StartupMemoryError:
+        cfg, args = self.config, self.config.args
+        available = self.free_now()
+        numbers = (f"needed {_gib(needed)}, available {_gib(available)} free on the {cfg.device} device, "
+                   f"{_gib(self.others)} held by other processes at start.")
+        if phase == LOADING_WEIGHTS:
+            flag, value, why = self._weights_flag(needed or estimated_weight_bytes(cfg), max(self.budget, 1))
+        elif phase == PROFILING:
+            flag, value = "--max-num-batched-tokens", max(args.max_num_seqs, cfg.max_num_batched_tokens // 2)
+            why = (f"The largest step (--max-num-batched-tokens {cfg.max_num_batched_tokens}, "
+                   f"--max-num-seqs {args.max_num_seqs}) does not fit next to the weights.")
+        elif phase == ALLOCATING_KV:
+            if self.on_gpu and args.kv_cache_memory_bytes is None and args.num_gpu_blocks_override is None:
+                shortfall = max(0, (needed or 0) - available)
+                util = args.gpu_memory_utilization - shortfall / self.total - 0.02
+                flag, value = "--gpu-memory-utilization", round(max(0.05, int(util * 100) / 100), 2)
+                why = "Memory that was free when the engine sized its KV cache was taken before it allocated it."
+            else:
+                flag, value = "--kv-cache-memory-bytes", int(available * 0.5)
+                why = "The KV cache asked for more memory than the device has free."
+        else:
+            flag, value = "--enforce-eager", None
+            why = (f"CUDA graphs for {len(self._capture_sizes())} batch sizes (up to --max-num-seqs "
+                   f"{args.max_num_seqs}) did not fit; or keep graphs with --max-num-seqs "
+                   f"{max(1, args.max_num_seqs // 2)}.")
+        return StartupMemoryError(phase, f"{why} {numbers}", flag, value, needed, available, self.others)
+
+    def _capture_sizes(self) -> list[int]:
+        from kvserve.worker.cuda_graphs import capture_sizes
+
+        return capture_sizes(self.config.args.max_num_seqs)
+
+    def _weights_flag(self, needed: int, available: int) -> tuple[str, object, str]:
+        """The smallest tensor-parallel size whose shard fits, else FP8 weights."""
+        cfg = self.config
+        why = (f"The model's weights need {_gib(needed)} ({cfg.dtype}) per GPU, but only {_gib(available)} of the "
+               f"{_gib(self.total)} device is this engine's (--gpu-memory-utilization "
+               f"{cfg.args.gpu_memory_utilization}).")
+        tp, _ = parallel_sizes(cfg)
+        for new_tp in (2, 4, 8):
+            if new_tp <= tp or cfg.model_config.num_attention_heads % new_tp:
+                continue
+            try:
+                shard = memory_plan.weight_bytes(memory_plan.rank_shapes(cfg.model_config, new_tp)[0],
+                                                 memory_plan.DTYPE_BYTES[cfg.dtype])
+            except ValueError:
+                continue
+            if shard <= available:
+                return "--tensor-parallel-size", new_tp, why
+        return "--quantization", "fp8", why + " A smaller model or more GPUs (pipeline stages) would also do."
+
+    # ---- budget checks (before anything runs out) --------------------------------------------------------
+    def check_weights_fit(self) -> None:
+        needed = estimated_weight_bytes(self.config)
+        if self.on_gpu and needed > self.budget:
+            flag, value, why = self._weights_flag(needed, max(self.budget, 0))
+            raise StartupMemoryError(
+                LOADING_WEIGHTS, f"{why} {_gib(self.others)} is held by other processes.", flag, value,
+                needed, max(self.budget, 0), self.others)
+
+    def kv_cache_bytes(self, runner, bytes_per_block: int) -> int:
+        args = self.config.args
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override * bytes_per_block
+        if args.kv_cache_memory_bytes is not None or not self.on_gpu:
+            return kv_cache_bytes_cpu(self.config, bytes_per_block)
+        return self._kv_cache_bytes_gpu(runner, bytes_per_block)
+
+    def _kv_cache_bytes_gpu(self, runner, bytes_per_block: int) -> int:
+        config, args = self.config, self.config.args
+        torch.cuda.synchronize()
+        # Differences, not absolutes: other engines in this process count as "others", not as ours.
+        allocated_after_load = torch.cuda.memory_allocated()
+        self.weights = weights = allocated_after_load - self.allocated_at_start
+        torch.cuda.reset_peak_memory_stats()
+        runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
+        self.activation_peak = peak = torch.cuda.max_memory_allocated() - allocated_after_load
+        torch.cuda.empty_cache()
+        free_now, _ = torch.cuda.mem_get_info()
+        non_torch = max(0, (self.free_at_start - free_now) - (torch.cuda.memory_reserved() - self.reserved_at_start))
+        graphs = memory_plan.cuda_graph_reserve_bytes(peak, args.max_num_seqs, config.max_num_batched_tokens,
+                                                      args.enforce_eager)
+        budget = memory_plan.gpu_budget_bytes(self.total, args.gpu_memory_utilization)
+        kv_bytes = memory_plan.kv_cache_bytes(budget, self.others, weights, peak, non_torch, graphs)
+        logger.info(
+            "Memory: total %.2f GiB x %.2f = %.2f GiB; in use by others %.2f, weights %.2f, activation peak %.2f, "
+            "non-torch %.2f, CUDA graph reserve %.2f GiB",
+            self.total / GiB, args.gpu_memory_utilization, budget / GiB, self.others / GiB, weights / GiB,
+            peak / GiB, non_torch / GiB, graphs / GiB,
         )
+        one_request = -(-config.max_model_len // args.block_size) * bytes_per_block
+        if kv_bytes < one_request:
+            self._raise_no_kv(kv_bytes, bytes_per_block, weights, peak + graphs, budget, non_torch)
+        return kv_bytes
+
+    def _raise_no_kv(self, kv_bytes, bytes_per_block, weights, activations, budget, non_torch) -> None:
+        """The weights loaded, but the step's activations leave too little KV for one request: a smaller
+        step budget if that frees enough, else the weights are the problem."""
+        cfg, args = self.config, self.config.args
+        one_request = -(-cfg.max_model_len // args.block_size) * bytes_per_block
+        if kv_bytes >= bytes_per_block:  # some KV is left: the length is what to change
+            raise self._length_error(kv_bytes, bytes_per_block)
+        shortfall = one_request - kv_bytes
+        tokens = cfg.max_num_batched_tokens
+        scaled = int(tokens * (1 - shortfall / max(activations, 1)))
+        msg = (f"weights {_gib(weights)} + activations and CUDA graphs {_gib(activations)} (for "
+               f"--max-num-batched-tokens {tokens}) + {_gib(self.others + non_torch)} other use leave "
+               f"{_gib(kv_bytes)} of {_gib(budget)} (--gpu-memory-utilization {args.gpu_memory_utilization}) for "
+               f"the KV cache; one request of max_model_len {cfg.max_model_len} needs {_gib(one_request)}.")
+        if scaled >= args.max_num_seqs:
+            tokens = max(args.max_num_seqs, _round_down_pow2(scaled))
+            raise StartupMemoryError(PROFILING, msg, "--max-num-batched-tokens", tokens, one_request, kv_bytes,
+                                     self.others)
+        flag, value, _ = self._weights_flag(weights + activations + one_request, max(self.budget, 1))
+        raise StartupMemoryError(PROFILING, msg, flag, value, one_request, kv_bytes, self.others)
+
+    def _length_error(self, kv_bytes: int, bytes_per_block: int) -> StartupMemoryError:
+        return length_error(self.config, kv_bytes, bytes_per_block, self.others)
 
 
-def kv_cache_bytes_gpu(
-    config: EngineConfig, runner, free_at_start: int, total: int, allocated_at_start: int, reserved_at_start: int
-) -> int:
-    """vLLM's rule: total x gpu_memory_utilization, minus what others held at start, the weights,
-    the activation peak of the largest step, memory outside torch's allocator and the graph pool."""
-    import torch
+def length_error(cfg: EngineConfig, kv_bytes: int, bytes_per_block: int, others: int = 0) -> StartupMemoryError:
+    args = cfg.args
+    capacity = kv_bytes // bytes_per_block * args.block_size
+    needed_blocks = -(-cfg.max_model_len // args.block_size)
+    where = ("--kv-cache-memory-bytes" if cfg.device != "cuda" or args.kv_cache_memory_bytes is not None
+             else "--gpu-memory-utilization (or --kv-cache-memory-bytes)")
+    return StartupMemoryError(
+        ALLOCATING_KV,
+        f"The model's max seq len ({cfg.max_model_len}) is larger than the maximum number of tokens that can "
+        f"be stored in the KV cache ({capacity}). One request of max_model_len tokens needs "
+        f"{_gib(needed_blocks * bytes_per_block)} of KV cache, but only {_gib(kv_bytes)} is available. "
+        f"Or give the KV cache more memory with {where}.",
+        "--max-model-len", capacity, needed_blocks * bytes_per_block, kv_bytes, others)
 
-    args = config.args
-    torch.cuda.synchronize()
-    # Differences, not absolutes: other engines in this process count as "others", not as ours.
-    allocated_after_load = torch.cuda.memory_allocated()
-    weights = allocated_after_load - allocated_at_start
-    torch.cuda.reset_peak_memory_stats()
-    runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
-    peak_activation = torch.cuda.max_memory_allocated() - allocated_after_load
-    torch.cuda.empty_cache()
-    free_now, _ = torch.cuda.mem_get_info()
-    others = total - free_at_start
-    non_torch = max(0, (free_at_start - free_now) - (torch.cuda.memory_reserved() - reserved_at_start))
-    graph_reserve = 0
-    if not args.enforce_eager:
-        # Graphs hold activations for up to max(max_num_seqs, largest mixed graph) tokens; a margin for
-        # the pool's slack.
-        from kvserve.worker.cuda_graphs import mixed_capture_sizes
 
-        graph_tokens = max([args.max_num_seqs, *mixed_capture_sizes(config.max_num_batched_tokens)])
-        graph_reserve = int(peak_activation * min(1.0, graph_tokens / config.max_num_batched_tokens) * 1.5) + 64 * (1 << 20)
-    budget = int(total * args.gpu_memory_utilization)
-    kv_bytes = budget - others - weights - peak_activation - non_torch - graph_reserve
-    logger.info(
-        "Memory: total %.2f GiB x %.2f = %.2f GiB; in use by others %.2f, weights %.2f, activation peak %.2f, "
-        "non-torch %.2f, CUDA graph reserve %.2f GiB",
-        total / GiB, args.gpu_memory_utilization, budget / GiB, others / GiB, weights / GiB,
-        peak_activation / GiB, non_torch / GiB, graph_reserve / GiB,
-    )
-    if kv_bytes <= 0:
-        raise ValueError(
-            f"No GPU memory is left for the KV cache: weights {weights / GiB:.2f} GiB + activation peak "
-            f"{peak_activation / GiB:.2f} GiB (for --max-num-batched-tokens {config.max_num_batched_tokens}) + "
-            f"{(others + non_torch + graph_reserve) / GiB:.2f} GiB other use exceed {budget / GiB:.2f} GiB "
-            f"(--gpu-memory-utilization {args.gpu_memory_utilization}). Raise --gpu-memory-utilization, lower "
-            f"--max-num-batched-tokens or --max-num-seqs, or use a smaller/quantized model."
-        )
-    return kv_bytes
+def check_max_model_len_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int, kv_bytes: int) -> None:
+    """Fail at start-up, not mid-request, when one full-length request cannot fit in the KV cache (the
+    executor calls it with the block count every rank can hold)."""
+    if num_blocks * config.args.block_size < config.max_model_len:
+        raise length_error(config, num_blocks * bytes_per_block, bytes_per_block)

@@ -13,7 +13,8 @@ from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_nex
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
-from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
+from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.worker.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
@@ -82,6 +83,7 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
         self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
         self.graph_runner: CudaGraphRunner | None = None
         self.graph_sizes = capture_sizes(config.args.max_num_seqs)
@@ -110,6 +112,52 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
+    # ---- swap space (preemption by swapping) --------------------------------------------------------------
+    def initialize_swap_space(self, num_cpu_blocks: int) -> None:
+        """Host blocks shaped like the device's; pinned on CUDA so copies run at full bus speed."""
+        pin = self.device.type == "cuda"
+        self.cpu_kv_caches = [
+            torch.zeros((gpu.shape[0], num_cpu_blocks, *gpu.shape[2:]), dtype=gpu.dtype, device="cpu", pin_memory=pin)
+            for gpu in self.kv_caches
+        ]
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copies (gpu_block, cpu_block) pairs out to the swap space or back in, in every layer."""
+        if not pairs:
+            return
+        gpu_idx = torch.tensor([g for g, _ in pairs], dtype=torch.long, device=self.device)
+        cpu_idx = torch.tensor([c for _, c in pairs], dtype=torch.long)
+        for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches):
+            if to_cpu:
+                cpu[:, cpu_idx] = gpu[:, gpu_idx].to("cpu")
+            else:
+                gpu[:, gpu_idx] = cpu[:, cpu_idx].to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def measure_preemption_costs(self, num_tokens: int) -> tuple[float, float]:
+        """(seconds to recompute one token, seconds to copy one block out and back in), timed on this
+        device at start-up, for --preemption-mode auto. The cache holds nothing yet, so copying is harmless."""
+        import time
+
+        def timed(fn) -> float:
+            fn()  # warm-up
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            return time.perf_counter() - t0
+
+        num_tokens = max(1, num_tokens)
+        recompute = timed(lambda: self.profile_run(num_tokens, 1)) / num_tokens
+        n = max(1, min(64, self.num_blocks, self.cpu_kv_caches[0].shape[1] if self.cpu_kv_caches else 0))
+        pairs = [(i, i) for i in range(n)]
+        swap = timed(lambda: (self.swap_blocks(pairs, to_cpu=True), self.swap_blocks(pairs, to_cpu=False))) / n
+        return recompute, swap
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def decode_num_kv_splits(self, num_reqs: int) -> int | None:
         """Split-KV count for a decode step, from the padded batch size and max_model_len only, so graph
         replays and eager steps of the same requests reduce in the same order (identical tokens)."""
@@ -131,7 +179,7 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
-            mixed_sizes=mixed_capture_sizes(self.config.max_num_batched_tokens),
+            mixed_sizes=mixed_graph_sizes(self.config.max_num_batched_tokens),
             max_num_seqs=self.config.args.max_num_seqs,
         )
         self.graph_runner.capture()
@@ -295,6 +343,9 @@ class ModelRunner:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
         self._update_states(out)
+        # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
+        self.swap_blocks(getattr(out, "blocks_to_swap_out", None), to_cpu=True)
+        self.swap_blocks(getattr(out, "blocks_to_swap_in", None), to_cpu=False)
         if out.is_empty:
             return PendingOutput.empty()
         num_reqs = len(out.scheduled)

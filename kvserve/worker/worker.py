@@ -13,7 +13,6 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.distributed.parallel_state import get_parallel_state, init_distributed
-from kvserve.model.loader import DTYPES
 from kvserve.worker import memory
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.runner = None
         self.layer_range = None
-        self._memory_at_start = None
+        self.startup = None
         self.weights_bytes = 0
         self.kv_bytes = 0
 
@@ -49,35 +48,39 @@ class Worker:
 
         config = self.config
         ps = get_parallel_state()
-        if config.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            self._memory_at_start = (free, total, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
-            if ps.world_size == 1:
-                memory.check_weights_fit(config, free, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
+        # Each phase that can run out of memory says which phase, the numbers, and the flag to change.
+        self.startup = memory.StartupMemory(config)
+        if ps.world_size == 1:
+            self.startup.check_weights_fit()
         self.layer_range = (config.layer_ranges[ps.pp_rank] if config.layer_ranges
                             else (0, config.model_config.num_hidden_layers))
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, self.layer_range)
+        with self.startup.phase(memory.LOADING_WEIGHTS, needed=memory.estimated_weight_bytes(config, ps.pp_rank)):
+            self.runner = ModelRunner(config, self.layer_range)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         logger.info("rank %d: loaded %s in %.1f s (%s, %s)", self.rank, config.model_path,
                     time.perf_counter() - t0, config.dtype, config.device)
 
     def determine_kv_cache_bytes(self) -> tuple[int, int]:
         """(bytes this rank can give its KV cache, bytes one block takes on this rank)."""
-        config, args, runner = self.config, self.config.args, self.runner
-        bytes_per_block = runner.kv_bytes_per_block()
-        if args.num_gpu_blocks_override is not None:
-            kv_bytes = args.num_gpu_blocks_override * bytes_per_block
-        elif args.kv_cache_memory_bytes is not None or config.device != "cuda":
-            kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
-        else:
-            kv_bytes = memory.kv_cache_bytes_gpu(config, runner, *self._memory_at_start)
+        bytes_per_block = self.runner.kv_bytes_per_block()
+        with self.startup.phase(memory.PROFILING):
+            kv_bytes = self.startup.kv_cache_bytes(self.runner, bytes_per_block)
         return kv_bytes, bytes_per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+        with self.startup.phase(memory.ALLOCATING_KV, needed=num_blocks * self.runner.kv_bytes_per_block()):
+            self.runner.initialize_kv_cache(num_blocks)
         self.kv_bytes = num_blocks * self.runner.kv_bytes_per_block()
-        self.runner.capture_cuda_graphs(self.config.args.max_num_seqs)
+        with self.startup.phase(memory.CAPTURING_GRAPHS):
+            self.runner.capture_cuda_graphs(self.config.args.max_num_seqs)
+
+    # ---- swap preemption (--swap-space) ----------------------------------------------------------------
+    def initialize_swap_space(self, num_cpu_blocks: int) -> None:
+        self.runner.initialize_swap_space(num_cpu_blocks)
+
+    def measure_preemption_costs(self, num_tokens: int) -> tuple[float, float]:
+        return self.runner.measure_preemption_costs(num_tokens)
 
     def execute_model(self, sched_out):
         return self.runner.execute_async(sched_out)

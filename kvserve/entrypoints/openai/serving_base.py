@@ -191,9 +191,11 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+def usage(num_prompt: int, num_completion: int, num_preemptions: int = 0) -> dict:
+    out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    if num_preemptions:  # kvserve's addition: how often the engine evicted this request's K/V (KV cache too small)
+        out["num_preemptions"] = num_preemptions
+    return out
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

@@ -77,8 +77,10 @@ class ServingChat(ServingBase):
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
         finish: dict[int, tuple] = {}
+        num_preemptions = 0
         try:
             async for out in stream:
+                num_preemptions = getattr(out, "num_preemptions", 0)
                 for c in out.outputs:
                     texts[c.index] = texts.get(c.index, "") + c.text
                     tokens.setdefault(c.index, []).extend(c.token_ids)
@@ -89,9 +91,10 @@ class ServingChat(ServingBase):
             raise engine_error(e) from None
         finally:
             self.engine.abort(stream.request_id)
-        return texts, tokens, logprobs, finish
+        return texts, tokens, logprobs, finish, num_preemptions
 
-    def _response(self, req, request_id, created, num_prompt, texts, tokens, logprobs, finish) -> dict:
+    def _response(self, req, request_id, created, num_prompt, texts, tokens, logprobs, finish,
+                  num_preemptions: int = 0) -> dict:
         choices = []
         num_completion = 0
         for k in range(req.n):
@@ -111,7 +114,7 @@ class ServingChat(ServingBase):
                 "stop_reason": stop_reason,
             })
         return {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
-                "choices": choices, "usage": usage(num_prompt, num_completion)}
+                "choices": choices, "usage": usage(num_prompt, num_completion, num_preemptions)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, num_prompt: int, stream):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -34,6 +34,7 @@ class _Prompt:
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
         self.prompt_logprobs = None
+        self.num_preemptions = 0
 
     def keep_prompt_logprobs(self, out) -> None:
         # They arrive once, with the first output of the request.
@@ -105,6 +106,7 @@ class ServingCompletion(ServingBase):
             async for i, out in merged(streams):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
+                p.num_preemptions = getattr(out, "num_preemptions", 0)
                 for c in out.outputs:
                     p.texts[c.index] = p.texts.get(c.index, "") + c.text
                     p.tokens.setdefault(c.index, []).extend(c.token_ids)
@@ -135,7 +137,8 @@ class ServingCompletion(ServingBase):
                 choices.append({"index": i * req.n + k, "text": text, "logprobs": logprobs,
                                 "finish_reason": reason, "stop_reason": stop_reason})
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name,
-                "choices": choices, "usage": usage(num_prompt, num_completion)}
+                "choices": choices,
+                "usage": usage(num_prompt, num_completion, sum(p.num_preemptions for p in prompts))}
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,448 @@
+"""GPU memory arithmetic shared by the engine's start-up sizing and `kvserve plan`. No torch here.
+
+The engine calls the same functions with what it measured (weights after loading, the profiled
+activation peak); `kvserve plan` calls them with estimates from the model's shape. Everything is per
+rank: attention heads, MLP columns and the vocabulary split over tensor-parallel ranks, layers over
+pipeline stages; KV heads are replicated when there are more tensor-parallel ranks than KV heads.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
+# What a CUDA context and the libraries outside torch's allocator take on a GPU before the engine loads
+# anything; a plan counts it as "held by others" (the engine measures it).
+CUDA_CONTEXT_BYTES = 512 * MiB
+GRAPH_POOL_MARGIN_BYTES = 64 * MiB
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("fp8", "awq", "gptq")
+INT4_GROUP_SIZE = 128
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str | None, model_dtype: str) -> int:
+    """'auto' stores K/V in the model's dtype; 'fp8' in one byte."""
+    if kv_cache_dtype in (None, "auto"):
+        return DTYPE_BYTES[model_dtype]
+    if kv_cache_dtype in _FP8_KV_DTYPES:
+        return 1
+    if kv_cache_dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[kv_cache_dtype]
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, fp8, fp8_e4m3, fp8_e5m2.")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- the model's shape on one rank -----------------------------------------------------------------
+@dataclass(frozen=True)
+class RankShape:
+    """One tensor-parallel rank of one pipeline stage."""
+
+    stage: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int  # this rank's slice of the vocabulary (embedding rows / lm_head columns)
+    has_embedding: bool
+    has_lm_head: bool  # also the final norm
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+
+def pipeline_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage: an even split, the first `num_layers % pp` stages one more."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def rank_shapes(cfg, tp: int = 1, pp: int = 1) -> list[RankShape]:
+    """One RankShape per pipeline stage (every tensor-parallel rank of a stage is the same size)."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}.")
+    if heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention heads.")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"--tensor-parallel-size {tp} neither divides nor is a multiple of the model's "
+                         f"{kv_heads} KV heads.")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide intermediate_size {cfg.intermediate_size}.")
+    if pp > cfg.num_hidden_layers:
+        raise ValueError(f"--pipeline-parallel-size {pp} exceeds the model's {cfg.num_hidden_layers} layers.")
+    return [
+        RankShape(
+            stage=i,
+            num_layers=n,
+            num_heads=heads // tp,
+            num_kv_heads=max(1, kv_heads // tp),  # replicated when tp > kv_heads
+            head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size // tp,
+            vocab_size=cdiv(cfg.vocab_size, tp),
+            has_embedding=i == 0,
+            has_lm_head=i == pp - 1,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            attention_bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm,
+        )
+        for i, n in enumerate(pipeline_layers(cfg.num_hidden_layers, pp))
+    ]
+
+
+def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantization: str | None) -> int:
+    if quantization == "fp8":
+        return in_features * out_features + 4  # one fp32 scale per tensor
+    if quantization in ("awq", "gptq"):
+        # int4 weights, and per group of INT4_GROUP_SIZE input rows an fp16 scale and an int4 zero per column
+        groups = cdiv(in_features, INT4_GROUP_SIZE)
+        return in_features * out_features // 2 + groups * out_features * 2 + groups * out_features // 2
+    return in_features * out_features * dtype_bytes
+
+
+def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = None) -> int:
+    """Parameters of one rank in memory. Quantization applies to the decoder's linear layers; embeddings,
+    lm_head and norms stay in the model dtype (as in vLLM)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    per_layer = (
+        _linear_bytes(h, q + 2 * kv, dtype_bytes, quantization)
+        + _linear_bytes(q, h, dtype_bytes, quantization)
+        + _linear_bytes(h, 2 * shape.intermediate_size, dtype_bytes, quantization)
+        + _linear_bytes(shape.intermediate_size, h, dtype_bytes, quantization)
+        + 2 * h * dtype_bytes  # input and post-attention norms
+        + ((q + 2 * kv) * dtype_bytes if shape.attention_bias else 0)
+        + (2 * hd * dtype_bytes if shape.qk_norm else 0)
+    )
+    total = shape.num_layers * per_layer
+    vocab_rows = shape.vocab_size * h * dtype_bytes
+    if shape.has_embedding:
+        total += vocab_rows
+    if shape.has_lm_head:
+        total += h * dtype_bytes  # final norm
+        # Tied embeddings share one tensor when embedding and head live on the same stage.
+        if not (shape.tie_word_embeddings and shape.has_embedding):
+            total += vocab_rows
+    return total
+
+
+def rotary_cache_bytes(head_dim: int, max_positions: int) -> int:
+    """cos and sin tables, fp32, (max_positions, head_dim / 2) each."""
+    return 2 * max_positions * (head_dim // 2) * 4
+
+
+def kv_bytes_per_token(shape: RankShape, kv_dtype_bytes: int) -> int:
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
+
+
+def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int, block_size: int,
+                          kv_dtype_bytes: int) -> int:
+    """An estimate of what the engine's profile run measures: the scratch KV cache it writes into, the
+    largest layer's live tensors (residual, normed input, merged gate/up, activated MLP input, the
+    attention projections) and the logits with the sampler's sort over the vocabulary."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    blocks_per_seq = cdiv(cdiv(num_tokens, num_seqs), block_size)
+    scratch_kv = num_seqs * blocks_per_seq * block_size * kv_bytes_per_token(shape, kv_dtype_bytes)
+    h, i = shape.hidden_size, shape.intermediate_size
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h)) * dtype_bytes
+    # logits in the model dtype, in fp32, then probabilities, sorted values and int64 indices
+    sampler = num_seqs * shape.vocab_size * (dtype_bytes + 4 * 3 + 8) if shape.has_lm_head else 0
+    return scratch_kv + max(layer, sampler + num_tokens * h * dtype_bytes)
+
+
+# Token counts of the mixed-step CUDA graphs (prefill chunks included), those up to max_num_batched_tokens.
+MIXED_GRAPH_TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    return [t for t in MIXED_GRAPH_TOKEN_SIZES if t <= max_num_batched_tokens]
+
+
+def cuda_graph_reserve_bytes(activation_peak: int, max_num_seqs: int, max_num_batched_tokens: int,
+                             enforce_eager: bool) -> int:
+    """Graphs hold activations for up to max(max_num_seqs, the largest mixed graph) tokens; a margin for
+    the pool's slack."""
+    if enforce_eager:
+        return 0
+    graph_tokens = max([max_num_seqs, *mixed_graph_sizes(max_num_batched_tokens)])
+    return int(activation_peak * min(1.0, graph_tokens / max_num_batched_tokens) * 1.5) + GRAPH_POOL_MARGIN_BYTES
+
+
+def gpu_budget_bytes(total: int, gpu_memory_utilization: float) -> int:
+    return int(total * gpu_memory_utilization)
+
+
+def kv_cache_bytes(budget: int, others: int, weights: int, activation_peak: int, non_torch: int,
+                   graph_reserve: int) -> int:
+    """vLLM's rule: total x gpu_memory_utilization, minus what others held at start, the weights, the
+    activation peak of the largest step, memory outside torch's allocator and the graph pool."""
+    return budget - others - weights - activation_peak - non_torch - graph_reserve
+
+
+def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_block: int) -> int:
+    """On CPU there is no device memory to measure: a fixed budget (like vLLM's CPU KV space), capped at
+    what max_num_seqs requests of max_model_len tokens could ever use."""
+    useful = max_num_seqs * cdiv(max_model_len, block_size) * bytes_per_block
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
+    return num_blocks * block_size / max_model_len
+
+
+# ---- checkpoint sizes (exact, from headers only) -----------------------------------------------------
+_SAFETENSORS_FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
+def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[str, int]] | None:
+    """name -> (safetensors dtype, element count) from every *.safetensors header of an HF directory,
+    reading only the headers; None when there is no safetensors file (GGUF, or a config-only directory)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    tensors: dict[str, tuple[str, int]] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            tensors[name] = (info["dtype"], numel)
+    return tensors
+
+
+def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: int, tie_word_embeddings: bool
+                            ) -> int:
+    """Bytes the loaded model holds: float tensors are cast to the serving dtype, packed/quantized tensors
+    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded."""
+    total = 0
+    for name, (dtype, numel) in tensors.items():
+        if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
+            continue
+        if dtype in _SAFETENSORS_FLOAT:
+            total += numel * dtype_bytes
+        else:
+            total += numel * _raw_bytes(dtype)
+    return total
+
+
+def _raw_bytes(safetensors_dtype: str) -> int:
+    return {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2}.get(safetensors_dtype, 1)
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+@dataclass
+class PlanInputs:
+    """The settings that decide memory use; `model_config` is kvserve's ModelConfig (pure Python)."""
+
+    model_config: object
+    dtype: str  # float32 | bfloat16 | float16 (resolved)
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int = 256
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    total_gpu_bytes: int | None = None  # None: the CPU rule (no device to size)
+    others_bytes: int = CUDA_CONTEXT_BYTES
+    # Exact unsharded weight bytes read from the checkpoint's headers, when there is one.
+    checkpoint_weights: int | None = None
+
+
+@dataclass
+class RankPlan:
+    stage: int
+    layers: int
+    weights: int
+    activation_peak: int
+    graph_reserve: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # what this rank can give the KV cache
+
+
+@dataclass
+class MemoryPlan:
+    inputs: PlanInputs = field(repr=False)
+    ranks: list[RankPlan]
+    budget: int  # total x utilization, per GPU (0 on CPU)
+    kv_bytes_per_block: int  # of the rank that decides the block count
+    num_blocks: int  # the same on every rank: the smallest any rank can hold
+    weights_source: str  # "checkpoint" | "config"
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.num_blocks, 0) * self.inputs.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len)
+
+    @property
+    def weights_fit(self) -> bool:
+        return all(r.weights <= self.budget - self.inputs.others_bytes for r in self.ranks) or self.budget == 0
+
+    @property
+    def length_fits(self) -> bool:
+        return self.kv_tokens >= self.inputs.max_model_len
+
+    def to_dict(self) -> dict:
+        return {
+            "ranks": [asdict(r) for r in self.ranks],
+            "budget_bytes": self.budget,
+            "others_bytes": self.inputs.others_bytes,
+            "kv_bytes_per_block": self.kv_bytes_per_block,
+            "num_blocks": max(self.num_blocks, 0),
+            "kv_tokens": self.kv_tokens,
+            "max_concurrency": self.max_concurrency,
+            "max_model_len": self.inputs.max_model_len,
+            "weights_source": self.weights_source,
+        }
+
+
+def make_plan(p: PlanInputs) -> MemoryPlan:
+    cfg = p.model_config
+    dtype_bytes = DTYPE_BYTES[p.dtype]
+    kv_dtype = kv_cache_dtype_bytes(p.kv_cache_dtype, p.dtype)
+    shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size)
+    single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
+    budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
+    ranks = []
+    for shape in shapes:
+        if single and p.checkpoint_weights is not None:
+            weights = p.checkpoint_weights
+        else:
+            weights = weight_bytes(shape, dtype_bytes, p.quantization)
+        weights += rotary_cache_bytes(shape.head_dim, p.max_model_len)
+        per_token = kv_bytes_per_token(shape, kv_dtype)
+        activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,
+                                           p.block_size, kv_dtype)
+        graphs = cuda_graph_reserve_bytes(activation, p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager)
+        if p.num_gpu_blocks_override is not None:
+            kv = p.num_gpu_blocks_override * per_token * p.block_size
+        elif p.kv_cache_memory_bytes is not None:
+            kv = p.kv_cache_memory_bytes
+        elif p.total_gpu_bytes is None:
+            kv = cpu_kv_cache_bytes(p.max_num_seqs, p.max_model_len, p.block_size, per_token * p.block_size)
+        else:
+            kv = kv_cache_bytes(budget, p.others_bytes, weights, activation, 0, graphs)
+        ranks.append(RankPlan(shape.stage, shape.num_layers, weights, activation,
+                              graphs if p.total_gpu_bytes else 0, per_token, kv))
+    # Every stage keeps the same block count: the one with the fewest blocks decides.
+    deciding = min(ranks, key=lambda r: r.kv_bytes // (r.kv_bytes_per_token * p.block_size))
+    per_block = deciding.kv_bytes_per_token * p.block_size
+    num_blocks = p.num_gpu_blocks_override or (deciding.kv_bytes // per_block if deciding.kv_bytes > 0 else 0)
+    source = "checkpoint" if single and p.checkpoint_weights is not None else "config"
+    return MemoryPlan(p, ranks, budget, per_block, num_blocks, source)
+
+
+# ---- advice in the tuning order ----------------------------------------------------------------------
+@dataclass
+class Verdict:
+    step: str  # "fits" | "weights" | "length" | "activations"
+    flag: str | None  # the one flag to change
+    value: object  # its value
+    message: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def suggestion(self) -> str:
+        return f"{self.flag} {self.value}" if self.flag else ""
+
+
+def largest_max_model_len(plan: MemoryPlan) -> int:
+    """The longest context whose one request fits the KV cache (a whole number of blocks)."""
+    return plan.kv_tokens
+
+
+def _fits(p: PlanInputs) -> bool:
+    try:
+        plan = make_plan(p)
+    except ValueError:
+        return False
+    return plan.weights_fit and plan.length_fits
+
+
+def advise(p: PlanInputs) -> Verdict:
+    """Tuning order: fit the weights (tensor parallelism, then FP8, then pipeline stages), then the length
+    (--max-model-len), then KV headroom (--gpu-memory-utilization), then the batch (--max-num-seqs)."""
+    plan = make_plan(p)
+    gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+    if p.total_gpu_bytes is None:
+        return Verdict("fits" if plan.length_fits else "length", None if plan.length_fits else "--max-model-len",
+                       None if plan.length_fits else largest_max_model_len(plan),
+                       f"CPU: {plan.kv_tokens} KV tokens, {plan.max_concurrency:.2f}x max_model_len.")
+    avail = plan.budget - p.others_bytes
+    worst = max(plan.ranks, key=lambda r: r.weights)
+    if not plan.weights_fit:
+        what = (f"Weights need {gib(worst.weights)} per GPU but only {gib(avail)} is available "
+                f"({gib(p.total_gpu_bytes)} x {p.gpu_memory_utilization} - {gib(p.others_bytes)} held by others).")
+        for tp in (2, 4, 8):
+            if tp > p.tensor_parallel_size and _fits(replace(p, tensor_parallel_size=tp)):
+                return Verdict("weights", "--tensor-parallel-size", tp, what + f" With {tp} GPUs it fits.")
+        if not p.quantization and _fits(replace(p, quantization="fp8")):
+            return Verdict("weights", "--quantization", "fp8", what + " With FP8 weights it fits.")
+        for pp in (2, 3, 4, 6, 8):
+            if pp > p.pipeline_parallel_size and _fits(replace(p, pipeline_parallel_size=pp)):
+                return Verdict("weights", "--pipeline-parallel-size", pp,
+                               what + f" With {pp} pipeline stages of {p.tensor_parallel_size} GPUs it fits.")
+        return Verdict("weights", "--quantization", "awq", what + " Nothing up to tp 8 x pp 8 in FP8 fits: "
+                       "use a 4-bit (AWQ/GPTQ) checkpoint or a smaller model.")
+    if plan.num_blocks <= 0:
+        act = max(r.activation_peak + r.graph_reserve for r in plan.ranks)
+        msg = (f"No memory is left for the KV cache: weights {gib(worst.weights)} + activations and CUDA graphs "
+               f"{gib(act)} use the {gib(avail)} available.")
+        for tokens in (4096, 2048, 1024, 512):
+            if tokens < p.max_num_batched_tokens and tokens >= p.max_num_seqs and _fits(
+                    replace(p, max_num_batched_tokens=tokens)):
+                return Verdict("activations", "--max-num-batched-tokens", tokens, msg)
+        for tp in (2, 4, 8):
+            if tp > p.tensor_parallel_size and _fits(replace(p, tensor_parallel_size=tp)):
+                return Verdict("weights", "--tensor-parallel-size", tp, msg + f" With {tp} GPUs it fits.")
+        return Verdict("weights", "--quantization", "fp8", msg)
+    if not plan.length_fits:
+        longest = largest_max_model_len(plan)
+        msg = (f"One request of max_model_len {p.max_model_len} needs {p.max_model_len} KV tokens, but the "
+               f"KV cache holds {plan.kv_tokens}.")
+        for tp in (2, 4, 8):
+            if tp > p.tensor_parallel_size and _fits(replace(p, tensor_parallel_size=tp)):
+                msg += f" Or keep the length with --tensor-parallel-size {tp}."
+                break
+        return Verdict("length", "--max-model-len", longest, msg)
+    notes = []
+    if plan.max_concurrency < 2 and p.gpu_memory_utilization < 0.9 and not p.kv_cache_memory_bytes:
+        better = make_plan(replace(p, gpu_memory_utilization=0.9))
+        notes.append(f"KV headroom: {plan.max_concurrency:.2f} full-length requests fit; "
+                     f"--gpu-memory-utilization 0.9 gives {better.kv_tokens} tokens ({better.max_concurrency:.2f}x).")
+    avg_tokens = plan.kv_tokens / p.max_num_seqs
+    if avg_tokens < p.max_model_len / 4:
+        notes.append(f"Batch: {p.max_num_seqs} running requests share {plan.kv_tokens} KV tokens "
+                     f"({avg_tokens:.0f} each); longer requests at full batch preempt. Lower --max-num-seqs if "
+                     f"preemptions appear.")
+    return Verdict("fits", None, None, f"It fits: {plan.kv_tokens} KV tokens, {plan.max_concurrency:.2f}x "
+                   f"max_model_len {p.max_model_len} at once.", notes)
