@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from kvserve.executor.abstract import Executor, ExecutorDeadError
 from kvserve.executor.step_message import StepMessageBuilder
