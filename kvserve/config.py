@@ -105,8 +105,17 @@ class EngineArgs:
 
     @property
     def executor_backend(self) -> str:
-        """uni for one device, mp for several on this host, unless chosen."""
-        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+        """Unless chosen: uni for one device; for several, ray when a Ray cluster is given (RAY_ADDRESS, or
+        Ray already initialized in this process), else mp (processes on this host)."""
+        if self.distributed_executor_backend:
+            return self.distributed_executor_backend
+        if self.world_size == 1:
+            return "uni"
+        import os
+        import sys
+
+        ray = sys.modules.get("ray")
+        return "ray" if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()) else "mp"
 
     @classmethod
     def field_names(cls) -> list[str]:

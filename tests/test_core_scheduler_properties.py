@@ -60,6 +60,15 @@ class Cfg:
     num_cpu_blocks: int = 0
     recompute_cost: float = 1.0
     swap_cost: float = 1.0
+    # Pipeline parallelism: up to this many batches in flight, each request in at most one (0: off).
+    pipeline_depth: int = 0
+
+    @property
+    def max_unapplied(self) -> int:
+        """Steps in flight between operations: the engine collects the oldest once depth are launched."""
+        if self.pipeline_depth:
+            return self.pipeline_depth - 1
+        return 1 if self.async_scheduling else 0
 
 
 def content_token(rid: str, attended: list[int]) -> int:
@@ -86,6 +95,7 @@ class Harness:
                 max_model_len=cfg.max_model_len,
                 enable_chunked_prefill=cfg.chunked,
                 **swap,
+                exclusive_batches=cfg.pipeline_depth > 0,
             ),
             self.kv,
         )
@@ -166,6 +176,15 @@ class Harness:
             self.sched.finish_requests([finish_mid_step], status)
         # Sync: apply this step. Async: apply the previous one and keep this one in flight (an empty
         # step is applied at once, as the engine does: there is nothing to overlap).
+        if self.cfg.pipeline_depth:
+            # As the engine: an empty step is applied at once, and then (or once depth batches are in
+            # flight) the oldest batch is collected.
+            if not out.scheduled:
+                self.unapplied.insert(0, self.unapplied.pop())
+                self._apply()
+            if self.unapplied and (not out.scheduled or len(self.unapplied) >= self.cfg.pipeline_depth):
+                self._apply()
+            return out
         keep = 1 if self.cfg.async_scheduling and out.scheduled else 0
         while len(self.unapplied) > keep:
             self._apply()
@@ -218,6 +237,10 @@ class Harness:
         for out, sampled in self.unapplied:
             toks += [sampled[s.request_id] for s in out.scheduled if s.request is r and s.needs_sample]
         return toks
+
+    def _in_flight(self, r: Request) -> bool:
+        """r is in a scheduled batch whose results are not applied yet."""
+        return any(s.request is r for out, _ in self.unapplied for s in out.scheduled)
 
     def _in_flight_samples(self, r: Request) -> int:
         return sum(1 for out, _ in self.unapplied for s in out.scheduled if s.request is r and s.needs_sample)
@@ -334,7 +357,11 @@ class Harness:
         # Progress: unfinished work means something is scheduled (no empty step, no deadlock), except
         # in async mode when every running request's length cap is already in flight: the pending
         # update finishes them (it must change something, or the next schedule is empty again).
-        if had_work and not out.scheduled:
+        if had_work and not out.scheduled and c.pipeline_depth:
+            # Every running request is in a batch in flight (or certain to finish); then the oldest is
+            # collected, so this cannot repeat forever.
+            assert self.unapplied, "unfinished requests, nothing in flight, nothing scheduled"
+        elif had_work and not out.scheduled:
             assert c.async_scheduling, "unfinished requests but nothing scheduled"
             assert all(self._certain_to_finish(r, r.num_pending_outputs) for r in self.sched.running)
             live = list(self.sched.waiting) + self.sched.running
@@ -361,7 +388,8 @@ class Harness:
         if sum(n for s, n in zip(out.scheduled, lens) if not s.is_new) < c.max_num_batched_tokens:
             for r in self.sched.running:
                 if r in was_running and id(r) not in scheduled_ids:
-                    assert self._certain_to_finish(r, before[id(r)][1]), f"{r.request_id} starved"
+                    assert self._certain_to_finish(r, before[id(r)][1]) or self._in_flight(r), \
+                        f"{r.request_id} starved"
         # Requests not scheduled are untouched, but for preemption dropping the computed K/V.
         for r in was_running + was_waiting:
             if id(r) in scheduled_ids:
@@ -388,6 +416,10 @@ class Harness:
             assert r.num_tokens == num_tokens
             # Only the step being applied next can be in flight (none in sync mode).
             assert pending <= (1 if c.async_scheduling else 0)
+            if c.pipeline_depth:
+                # Never in two batches in flight, so never a placeholder.
+                assert not self._in_flight(r), f"{r.request_id} is in two batches in flight"
+                assert PLACEHOLDER_TOKEN_ID not in s.token_ids
             end = s.start_pos + len(s.token_ids)
             if s.is_new and s.request_id in swapped_in:
                 # Resumed from the swap space where it stopped, its K/V copied back.
@@ -452,7 +484,10 @@ class Harness:
         assert set(kv.pool._free).isdisjoint(held)
         # Only running requests hold blocks (waiting/preempted/finished ones hold none).
         assert set(kv.req_to_blocks) <= {r.request_id for r in running}
-        assert len(self.unapplied) <= (1 if c.async_scheduling else 0)
+        assert len(self.unapplied) <= c.max_unapplied
+        if c.pipeline_depth:  # each request in at most one batch in flight
+            in_flight = [s.request_id for out, _ in self.unapplied for s in out.scheduled]
+            assert len(in_flight) == len(set(in_flight))
         for r in waiting + running:
             # One pending output per step in flight that samples it: 0 or 1 between operations.
             assert r.num_pending_outputs == self._in_flight_samples(r) <= 1
@@ -539,16 +574,17 @@ def configs(draw):
     lo = max_num_seqs if chunked else max(max_num_seqs, max_model_len)
     max_num_batched_tokens = draw(st.integers(lo, lo + 24), label="max_num_batched_tokens")
     caching = draw(st.booleans(), label="caching")
-    async_scheduling = draw(st.booleans(), label="async_scheduling")
+    mode = draw(st.sampled_from(["sync", "async", "pipeline"]), label="mode")
+    depth = draw(st.integers(2, 4), label="pipeline_depth") if mode == "pipeline" else 0
     # Swap preemption where the core has it; a small swap space often, so it fills and falls back.
     swap = {}
     if HAS_SWAP:
-        mode = draw(st.sampled_from(["recompute", "swap", "auto"]), label="preemption_mode")
-        if mode != "recompute":
-            swap = dict(preemption_mode=mode, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
+        preemption = draw(st.sampled_from(["recompute", "swap", "auto"]), label="preemption_mode")
+        if preemption != "recompute":
+            swap = dict(preemption_mode=preemption, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
                         swap_cost=draw(st.sampled_from([0.01, 1.0, 100.0]), label="swap_cost"))
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
-               async_scheduling, **swap)
+               mode == "async", pipeline_depth=depth, **swap)
 
 
 def tokens(min_size: int, max_size: int):
@@ -676,7 +712,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=400,  # about half of them async (configs() draws the mode)
+    max_examples=450,  # a third each sync, async and pipelined (configs() draws the mode)
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -866,7 +902,7 @@ def test_request_id_reusable_after_finish():
 
 
 def _async(cfg: Cfg) -> Cfg:
-    return dataclasses.replace(cfg, async_scheduling=True)
+    return dataclasses.replace(cfg, async_scheduling=True, pipeline_depth=0)
 
 
 def _run_workload(cfg: Cfg, first: list, later: list, later_after: int = 3) -> tuple[Harness, dict]:
@@ -884,9 +920,14 @@ def _run_workload(cfg: Cfg, first: list, later: list, later_after: int = 3) -> t
 
 
 def _check_same_tokens(cfg: Cfg, first: list, later: list = ()) -> tuple[Harness, Harness]:
-    sync_h, sync_out = _run_workload(dataclasses.replace(cfg, async_scheduling=False), first, list(later))
+    sync_h, sync_out = _run_workload(dataclasses.replace(cfg, async_scheduling=False, pipeline_depth=0), first,
+                                     list(later))
     async_h, async_out = _run_workload(_async(cfg), first, list(later))
     assert async_out == sync_out
+    for depth in (2, 3):  # pipeline parallelism: batches in flight, each request in one at most
+        _, pipelined_out = _run_workload(dataclasses.replace(cfg, async_scheduling=False, pipeline_depth=depth),
+                                         first, list(later))
+        assert pipelined_out == sync_out
     for r in async_h.all.values():
         if r.sampling_params.ignore_eos:
             assert r.num_output_tokens == async_h._max_outputs(r)  # min(max_tokens, max_model_len - prompt)

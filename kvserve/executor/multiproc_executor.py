@@ -156,6 +156,10 @@ class MultiprocExecutor(Executor):
         t0 = time.perf_counter()
         nbytes = self._broadcast(("execute", self.builder.build(sched_out)))
         self.broadcast.add(nbytes, time.perf_counter() - t0)
+        if self.broadcast.steps % 5000 == 0:
+            b = self.broadcast.summary()
+            logger.info("Step broadcast to %d workers: %.0f bytes/step, %.3f ms/step (over %d steps)",
+                        self.world_size, b["bytes_per_step"], 1000 * b["seconds_per_step"], b["steps"])
         seq = self._next_seq
         self._next_seq += 1
         return _PendingStep(self, seq)

@@ -247,8 +247,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, split by vocabulary rows like the embedding (so tied weights shard alike);
-    logits are gathered so that every rank holds the full row."""
+    """The output projection, split by vocabulary rows like the embedding (so tied weights shard alike).
+
+    Logits are all-gathered and every TP rank samples, with the same seeds and the same random stream, so
+    every rank holds the same sampled ids on its device: with async scheduling the next step's input ids
+    are filled from them locally. Gathering to rank 0 instead would move the same logits bytes to one rank
+    and then need a broadcast of the sampled ids back to the others, one more collective per step on the
+    critical path."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         from kvserve.distributed.parallel_state import tensor_parallel_all_gather

@@ -17,8 +17,6 @@ from kvserve.worker import memory
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
-
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
