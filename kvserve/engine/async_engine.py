@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
@@ -44,6 +45,10 @@ class EngineNotReadyError(RuntimeError):
 
 class EngineFailedError(RuntimeError):
     """A step failed; the requests in it were aborted (the engine itself keeps running)."""
+
+
+class EngineDeadError(EngineFailedError):
+    """The engine core (process or thread) is gone: nothing more can be served (vLLM's EngineDeadError)."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -146,12 +151,15 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process = None
         self._stopping = False
+        self.dead_error: EngineDeadError | None = None  # set once the engine core is gone
+        self._dead: asyncio.Event | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Starts loading the model; call from the running event loop, then `await ready()`."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
+        self._dead = asyncio.Event()
         target = self._run_process if self.use_process else self._run_thread
         self._spawn_thread(target, "kvserve-engine")
 
@@ -163,6 +171,15 @@ class AsyncEngine:
     def is_ready(self) -> bool:
         return (self._started is not None and self._started.done() and not self._started.cancelled()
                 and self._started.exception() is None and not self._stopping)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    async def wait_dead(self) -> EngineDeadError:
+        """Returns once the engine core has died after having started (never, while it lives)."""
+        await self._dead.wait()
+        return self.dead_error
 
     @property
     def num_active(self) -> int:
@@ -205,6 +222,8 @@ class AsyncEngine:
         """Adds a request and returns its stream once the engine has accepted it (ValueError if it did not),
         so a server can answer 400 before it starts a 200 response. Whoever holds the stream must read it
         to the end or call `abort(stream.request_id)`."""
+        if self.dead_error is not None:
+            raise self.dead_error
         if not self.is_ready:
             raise EngineNotReadyError("The engine is not ready (the model is loading, or the server is stopping).")
         request_id = request_id or uuid.uuid4().hex
@@ -252,9 +271,9 @@ class AsyncEngine:
         self._post(self._on_started, engine.config, tokenizer, None)
         try:
             EngineCore(engine).run(self._take_commands, lambda batch: self._post(self._on_batch, batch))
-        except BaseException:  # last resort: never die silently
+        except BaseException as e:  # last resort: never die silently
             logger.exception("Engine loop crashed")
-            self._post(self._on_crashed)
+            self._post(self._on_crashed, f"The engine loop crashed: {type(e).__name__}: {e}")
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -272,6 +291,7 @@ class AsyncEngine:
                                     name="kvserve-engine-core", daemon=True)
         try:
             self._process.start()
+            logger.info("Engine core process started (pid %d)", self._process.pid)
             child_conn.close()
             kind, payload = conn.recv()
             if kind != "ready":
@@ -283,17 +303,26 @@ class AsyncEngine:
             return
         self._post(self._on_started, payload, tokenizer, None)
         self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
+        # Wait on the pipe and on the process itself: a grandchild holding the pipe open must not hide the
+        # engine's death, which is noticed at once either way (vLLM's EngineDeadError).
+        sentinel = self._process.sentinel
         while True:
+            ready = mp_connection.wait([conn, sentinel])
             try:
-                self._post(self._on_batch, conn.recv())
+                if conn in ready or conn.poll(0):
+                    self._post(self._on_batch, conn.recv())
+                    continue
             except (EOFError, OSError):
                 break
             except Exception:  # an undecodable message must not stop the receiver
                 logger.exception("Dropped a message from the engine process")
+                continue
+            break  # the process is gone and its last messages are read
         self._process.join(5)
         if not self._stopping:
-            logger.error("The engine process exited unexpectedly (exit code %s)", self._process.exitcode)
-            self._post(self._on_crashed)
+            code = self._process.exitcode
+            logger.error("The engine process died unexpectedly (exit code %s)", code)
+            self._post(self._on_crashed, f"The engine process died unexpectedly (exit code {code}).")
 
     def _send_commands(self, conn) -> None:
         """Batches what is queued into one message: one pickle and one write per wake-up, not per command."""
@@ -327,11 +356,13 @@ class AsyncEngine:
         self.config, self.tokenizer = config, tokenizer
         self._started.set_result(None)
 
-    def _on_crashed(self) -> None:
-        self._stopping = True
+    def _on_crashed(self, reason: str) -> None:
+        self.dead_error = EngineDeadError(f"{reason} The server cannot serve requests any more and is exiting.")
         for stream in list(self._streams.values()):
-            stream.fail(EngineFailedError("The engine loop crashed; see the server log."))
+            stream.finished = True
+            stream.fail(self.dead_error)
         self._streams.clear()
+        self._dead.set()
 
     def _on_batch(self, batch: EngineBatch) -> None:
         accepted, outputs, failed, stats = batch.accepted, batch.outputs, batch.failed, batch.stats

@@ -67,15 +67,26 @@ class EngineCore:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception:  # abort what was running; keep serving the rest
-                    logger.exception("Engine step failed; aborting the %d requests in flight", len(self.live))
-                    failed = list(self.live)
-                    engine.abort_request(failed)
-                    self.live.clear()
+                except Exception:  # the requests to blame fail; the others recompute and go on
+                    logger.exception("Engine step failed")
+                    failed = self._recover(engine)
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
             publish(EngineBatch(accepted, outputs, failed, engine.get_stats()))
+
+
+    def _recover(self, engine) -> list[str]:
+        try:
+            failed = [rid for rid in engine.recover_from_failed_step() if rid in self.live]
+        except Exception:  # noqa: BLE001 - recovery itself failed: fall back to aborting everything
+            logger.exception("Could not attribute the failed step; aborting the %d requests in flight",
+                             len(self.live))
+            failed = list(self.live)
+            engine.abort_request(failed)
+        logger.error("Aborted %d request(s) after the failed step: %s", len(failed), failed[:10])
+        self.live.difference_update(failed)
+        return failed
 
 
 def _portable(e: Exception) -> Exception:

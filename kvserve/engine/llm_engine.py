@@ -153,7 +153,8 @@ class LLMEngine:
             raise ValueError("stop strings and bad_words need a tokenizer; skip_tokenizer_init is set.")
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
-        params.verify_token_ids(self.config.model_config.vocab_size)
+        args = self.config.args
+        params.verify_for_model(self.config.model_config.vocab_size, args.max_logprobs, args.max_n)
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -186,11 +187,15 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._last_scheduled = []
         outputs = []
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self.scheduler.schedule()
+        self._last_scheduled = list(sched_out.scheduled)
+        if self._in_flight is not None:
+            self._last_scheduled += self._in_flight.sched_out.scheduled
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         launched = InFlightStep(sched_out, time.time(), self.runner.execute_async(sched_out))
@@ -202,6 +207,25 @@ class LLMEngine:
         else:
             outputs += self._finish(launched)
         return outputs
+
+    def recover_from_failed_step(self) -> list[str]:
+        """After step() raised: finds the requests whose own parameters fail a step (each tried alone in the
+        per-request parts of sampling), aborts them and returns their ids; every other request is rolled
+        back to recompute (its K/V and tokens in flight are dropped) and goes on. When no request is to
+        blame, every request of the failed step is aborted: the engine itself keeps serving."""
+        scheduled = getattr(self, "_last_scheduled", [])
+        culprits = {s.request_id for s in scheduled if not self.runner.sampling_inputs_valid(s)}
+        if not culprits:
+            culprits = {s.request_id for s in scheduled}
+        parents = {self.output_processor.samples[c].parent.request_id for c in culprits
+                   if c in self.output_processor.samples}
+        self.abort_request(sorted(parents))
+        self._in_flight = None
+        self._last_scheduled = []
+        self.scheduler.roll_back_running()
+        self.runner.reset_after_failed_step()
+        self.kv_cache_manager.reset_prefix_cache()  # a failed forward may have left blocks half written
+        return sorted(parents)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()

@@ -260,6 +260,24 @@ class ModelRunner:
         return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
                           placeholders, self.last_sampled)
 
+    def sampling_inputs_valid(self, scheduled) -> bool:
+        """Whether one request's own sampling inputs (seed, parameters as tensors) can be built: after a
+        failed step, the engine asks this of each request to find the one to blame."""
+        try:
+            seed = getattr(scheduled.sampling_params, "seed", None)
+            if seed is not None:
+                torch.Generator(device=self.device).manual_seed(seed)
+            build_sampling_metadata([scheduled], {}, self.model_config.vocab_size, self.device)
+        except Exception:  # noqa: BLE001 - any failure here is this request's
+            return False
+        return True
+
+    def reset_after_failed_step(self) -> None:
+        """Forget the block tables and in-flight samples of every request: they all recompute."""
+        for rid in list(self.last_sampled_rows):
+            self.block_tables.release(rid)
+        self.last_sampled_rows = {}
+
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
 

@@ -84,6 +84,8 @@ class _GateMiddleware:
         if self._key is not None and path not in _UNAUTHENTICATED_PATHS and not self._authorized(scope):
             return await error_response("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401)(
                 scope, receive, send)
+        if getattr(self.state.engine, "is_dead", False) and path not in ("/metrics", "/version"):
+            return await error_response(str(self.state.engine.dead_error), 500)(scope, receive, send)
         if path not in _ALWAYS_AVAILABLE_PATHS:
             if self.state.draining:
                 return await error_response("The server is shutting down.", 503)(scope, receive, send)
@@ -106,7 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        tasks = [asyncio.create_task(_watch_startup(state))]
+        tasks = [asyncio.create_task(_watch_startup(state)), asyncio.create_task(_watch_engine_death(state))]
         if not settings.disable_log_stats:
             tasks.append(asyncio.create_task(_log_stats(metrics)))
         try:
@@ -125,6 +127,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if getattr(engine, "is_dead", False):
+            return error_response(str(engine.dead_error), 500)
         if state.draining:
             return error_response("The server is shutting down.", 503)
         if not engine.is_ready:
@@ -204,6 +208,15 @@ async def _watch_startup(state: ServerState) -> None:
         return
     logger.info("Ready: serving %s (max_model_len %d) after %.1f s", state.settings.served_model_name,
                 state.engine.config.max_model_len, time.perf_counter() - t0)
+
+
+async def _watch_engine_death(state: ServerState) -> None:
+    """A dead engine core cannot come back: fail fast and exit non-zero, so a supervisor restarts us."""
+    error = await state.engine.wait_dead()
+    logger.error("%s", error)
+    state.exit_code = 1
+    if state.request_exit is not None:
+        state.request_exit()
 
 
 async def _log_stats(metrics: EngineMetrics) -> None:

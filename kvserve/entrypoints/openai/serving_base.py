@@ -45,7 +45,7 @@ class ServingBase:
         try:
             req.check()
         except ValueError as e:
-            raise APIError(str(e), 400) from None
+            raise APIError(str(e), 400, _param_of(str(e))) from None
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -78,9 +78,11 @@ class ServingBase:
         if not ids:
             raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
 
-    @staticmethod
-    def sampling_params(fields: dict) -> SamplingParams:
-        """Passes every field by name; one SamplingParams does not know yet is refused only if it is set."""
+    def sampling_params(self, fields: dict, renamed: dict[str, str] | None = None) -> SamplingParams:
+        """Passes every field by name; one SamplingParams does not know yet is refused only if it is set.
+        The request is checked against the model and the operator's limits here, before the engine sees
+        it (the engine runs the same check for the library's callers). `renamed`: API field names for
+        SamplingParams' (chat's top_logprobs is SamplingParams' logprobs)."""
         known = {}
         for name, value in fields.items():
             spec = _SAMPLING_FIELDS.get(name)
@@ -88,12 +90,18 @@ class ServingBase:
                 known[name] = value
             elif value not in (None, False, 0, [], {}):
                 raise APIError(f"{name} is not supported yet.", 400, name)
+        config = self.engine.config
         try:
-            return SamplingParams(**known)
+            params = SamplingParams(**known)
+            params.verify_for_model(config.model_config.vocab_size, config.args.max_logprobs, config.args.max_n)
+            return params
         except (ValueError, TypeError) as e:
             message = str(e)
-            param = message.split(" ", 1)[0]
-            raise APIError(message, 400, param if param in _SAMPLING_FIELDS else None) from None
+            param = _param_of(message)
+            if param in (renamed or {}):
+                param = renamed[param]
+                message = param + message[message.index(" "):]
+            raise APIError(message, 400, param) from None
 
     # ---- running requests ------------------------------------------------------------------------
     async def add_requests(self, items: list[tuple[str, dict, SamplingParams]]):
@@ -106,10 +114,10 @@ class ServingBase:
             for s in streams:
                 self.engine.abort(s.request_id)
             raise APIError(str(e), 400) from None
-        except EngineNotReadyError as e:
+        except (EngineNotReadyError, EngineFailedError) as e:
             for s in streams:
                 self.engine.abort(s.request_id)
-            raise APIError(str(e), 503) from None
+            raise engine_error(e) from None
         except BaseException:
             for s in streams:
                 self.engine.abort(s.request_id)
@@ -174,6 +182,12 @@ async def until_disconnect(raw: Request, work: Awaitable, on_disconnect) -> obje
         on_disconnect()
         raise asyncio.CancelledError("client disconnected")
     return task.result()
+
+
+def _param_of(message: str) -> str | None:
+    """Validation messages start with the field they are about ("n must be at most 128...")."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    return first if first.replace("_", "").isalpha() and first.islower() else None
 
 
 def engine_error(e: BaseException) -> APIError:

@@ -62,7 +62,7 @@ class ServingChat(ServingBase):
                                 req.chat_template, req.chat_template_kwargs)
         token_ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         max_tokens = self.max_tokens_for(len(token_ids), req.requested_max_tokens)
-        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs))
+        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs), {"logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)])
         created = int(time.time())
