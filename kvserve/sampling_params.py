@@ -214,8 +214,8 @@ class SamplingParams:
             if value is None or max_logprobs == -1:
                 continue
             if value == -1:
-                raise ValueError(f"{name}=-1 (the whole vocabulary) needs the server's --max-logprobs -1; "
-                                 f"ask for at most {max_logprobs}.")
+                raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs); -1 (the whole "
+                                 f"vocabulary) needs --max-logprobs -1.")
             if value > max_logprobs:
                 raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
         self.verify_token_ids(vocab_size)

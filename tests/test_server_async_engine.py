@@ -88,6 +88,9 @@ class _ExplodingEngine:
     async def add_request(self, prompt, params, request_id=None):
         raise RuntimeError("boom")
 
+    async def add_requests(self, items):
+        raise RuntimeError("boom")
+
     def abort(self, request_id):
         pass
 

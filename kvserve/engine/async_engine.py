@@ -185,13 +185,19 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
+    def abort_all(self, reason: str) -> None:
+        """Ends every request now: each stream's reader gets EngineNotReadyError(reason) (a 503)."""
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                stream.finished = True
+                stream.fail(EngineNotReadyError(reason))
+                self._commands.put(("abort", request_id))
+
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still running and stops the engine."""
         self._stopping = True
-        for stream in list(self._streams.values()):
-            stream.finished = True
-            stream.fail(EngineNotReadyError("The server is shutting down."))
-        self._streams.clear()
+        self.abort_all("The server is shutting down.")
         self._commands.put(STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._join, timeout)
 
@@ -222,24 +228,41 @@ class AsyncEngine:
         """Adds a request and returns its stream once the engine has accepted it (ValueError if it did not),
         so a server can answer 400 before it starts a 200 response. Whoever holds the stream must read it
         to the end or call `abort(stream.request_id)`."""
+        return (await self.add_requests([(request_id, prompt, sampling_params)]))[0]
+
+    async def add_requests(self, items) -> list[RequestStream]:
+        """Adds several (request_id or None, prompt, params) as one batch: the engine receives them together
+        and the call waits once. All or nothing: if the engine refuses one (its error is raised), or the
+        caller is cancelled (a client that left), every one of them is aborted."""
         if self.dead_error is not None:
             raise self.dead_error
         if not self.is_ready:
             raise EngineNotReadyError("The engine is not ready (the model is loading, or the server is stopping).")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenized here, not on the engine thread, so a long prompt never delays a step.
-        text, token_ids = parse_prompt(prompt, self.tokenizer)
-        stream = RequestStream(request_id, sampling_params.output_kind, time.time(), text, token_ids)
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
+        ids = [rid or uuid.uuid4().hex for rid, _, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids within one batch must differ")
+        for rid in ids:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+        streams, commands = [], []
+        for rid, (_, prompt, params) in zip(ids, items):
+            # Tokenized here, not on the engine thread, so a long prompt never delays a step.
+            text, token_ids = parse_prompt(prompt, self.tokenizer)
+            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids)
+            streams.append(stream)
+            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        for command in commands:
+            self._commands.put(command)
         try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
+            for stream in streams:
+                await stream.accepted
+        except BaseException:
+            for stream in streams:
+                self.abort(stream.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its blocks (idempotent; unknown ids are ignored)."""
