@@ -113,3 +113,59 @@ def test_a_failing_request_fails_alone(llama):
     assert {rid: t for rid, t in tokens.items() if rid != "bad"} == expected
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.usage() == 0
+
+
+def test_async_engine_admits_a_prompt_list_as_one_batch_and_aborts_it_together(llama):
+    """Finding 7: the server admitted a list of prompts one engine round trip at a time, without watching
+    the client. add_requests hands them to the engine in one message, and cancelling it (the client left)
+    aborts every one of them: nothing runs and no KV block is held afterwards."""
+    import asyncio
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.metrics import EngineMetrics
+
+    def gauge(metrics, name):
+        for line in metrics.render().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def main():
+        metrics = EngineMetrics("tiny")
+        engine = AsyncEngine(EngineArgs(model=llama[0], max_model_len=256, kv_cache_memory_bytes=8 << 20),
+                             metrics, use_process=False)
+        engine.start()
+        await engine.ready()
+        sizes = []
+        on_batch = engine._on_batch
+
+        def record(batch):
+            if batch.accepted:
+                sizes.append(len(batch.accepted))
+            on_batch(batch)
+
+        engine._on_batch = record
+        params = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        streams = await engine.add_requests([(f"p{i}", {"prompt_token_ids": [5, i + 7]}, params) for i in range(40)])
+        assert sizes == [40]  # one engine iteration accepted the whole list
+        for s in streams:
+            engine.abort(s.request_id)
+
+        task = asyncio.ensure_future(engine.add_requests([(f"q{i}", {"prompt_token_ids": [9, i + 3]}, params)
+                                                          for i in range(40)]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.num_active == 0
+        names = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc")
+        for _ in range(400):  # the aborts reach the engine between steps, its stats come back after
+            left = tuple(gauge(metrics, n) for n in names)
+            if left == (0, 0, 0):
+                break
+            await asyncio.sleep(0.05)
+        await engine.shutdown()
+        return left
+
+    assert asyncio.run(main()) == (0, 0, 0)

@@ -38,72 +38,72 @@ def server(tiny_model_factory):
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------
+# Each body is one of: plausible (every field valid: it reaches the engine), plausible with one field replaced
+# by something hostile, or hostile throughout. Hostile values: wrong types, extreme numbers, NaN/Infinity,
+# any Unicode (lone surrogates included), nested lists and objects.
 any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)  # surrogates included
+clean_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20).filter(str.strip)
 extreme_int = st.sampled_from([0, 1, -1, 2, 3, 20, 21, 128, 129, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1,
                                10**30])
 extreme_float = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                           st.sampled_from([0.0, 1.0, 1e30, -1e30, 1e-30, 2.0, 100.0, 100.5]))
 leaf = st.one_of(st.none(), st.booleans(), extreme_int, extreme_float, any_text)
-wrong = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                   st.dictionaries(any_text, inner, max_size=3)), max_leaves=6)
-
-
-def field(valid):
-    """Mostly plausible values, often extreme ones, sometimes anything at all."""
-    return st.one_of(valid, valid, extreme_int, extreme_float, wrong)
-
-
-token_ids = st.lists(st.one_of(st.integers(0, 49151), extreme_int), min_size=0, max_size=30)
-prompt = st.one_of(any_text, st.lists(any_text, min_size=0, max_size=3), token_ids,
-                   st.lists(token_ids, max_size=3), wrong)
-small_max_tokens = st.one_of(st.integers(1, 4), extreme_int, extreme_float, wrong.filter(lambda v: v is not None))
+hostile = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(any_text, inner, max_size=3)), max_leaves=6)
+token_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=30)
 
 SAMPLING = {
-    "n": field(st.integers(1, 3)),
-    "temperature": field(st.floats(0, 2)),
-    "top_p": field(st.floats(0.01, 1)),
-    "top_k": field(st.integers(-1, 50)),
-    "min_p": field(st.floats(0, 1)),
-    "seed": field(st.integers(-(2**63), 2**63 - 1)),
-    "presence_penalty": field(st.floats(-2, 2)),
-    "frequency_penalty": field(st.floats(-2, 2)),
-    "repetition_penalty": field(st.floats(0.5, 2)),
-    "stop": field(st.one_of(any_text, st.lists(any_text, max_size=3))),
-    "stop_token_ids": field(st.lists(st.integers(0, 49151), max_size=3)),
-    "bad_words": field(st.lists(any_text, max_size=2)),
-    "logit_bias": field(st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3)),
-    "allowed_token_ids": field(st.lists(st.integers(0, 49151), min_size=1, max_size=5)),
-    "min_tokens": field(st.integers(0, 2)),
-    "ignore_eos": field(st.booleans()),
-    "prompt_logprobs": field(st.integers(0, 5)),
-    "stream": field(st.booleans()),
-    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "model": field(st.just("tiny")),
-    "request_id": field(any_text),
-    "skip_special_tokens": field(st.booleans()),
-    "best_of": field(st.integers(1, 3)),
-    "user": field(any_text),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "stop": st.one_of(clean_text, st.lists(clean_text, max_size=3)),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "bad_words": st.lists(clean_text, max_size=2),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=5),
+    "min_tokens": st.integers(0, 1),
+    "ignore_eos": st.booleans(),
+    "prompt_logprobs": st.integers(0, 5),
+    "stream": st.booleans(),
+    "model": st.just("tiny"),
+    "request_id": clean_text,
+    "skip_special_tokens": st.booleans(),
+    "user": any_text,
 }
-completion_body = st.fixed_dictionaries(
-    {"prompt": prompt, "max_tokens": small_max_tokens},
-    optional={**SAMPLING, "echo": field(st.booleans()), "logprobs": field(st.integers(0, 5)),
-              "suffix": field(any_text)})
+COMPLETION = {**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5), "add_special_tokens": st.booleans()}
 message = st.fixed_dictionaries(
-    {"role": field(st.sampled_from(["user", "assistant", "system"])),
-     "content": st.one_of(any_text, st.lists(st.fixed_dictionaries({"type": field(st.just("text")),
-                                                                      "text": field(any_text)}), max_size=2),
-                          wrong)},
-    optional={"name": field(any_text)})
-chat_body = st.fixed_dictionaries(
-    {"messages": st.one_of(st.lists(message, min_size=1, max_size=3), wrong), "max_tokens": small_max_tokens},
-    optional={**SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5)),
-              "max_completion_tokens": field(st.integers(1, 4)), "chat_template": field(any_text),
-              "chat_template_kwargs": wrong, "add_generation_prompt": field(st.booleans()),
-              "continue_final_message": field(st.booleans()), "response_format": wrong, "tools": wrong})
-tokenize_body = st.fixed_dictionaries({}, optional={"prompt": field(any_text), "model": field(st.just("tiny")),
-                                                    "messages": st.lists(message, max_size=2),
-                                                    "add_special_tokens": field(st.booleans())})
-detokenize_body = st.fixed_dictionaries({"tokens": token_ids}, optional={"model": field(st.just("tiny"))})
+    {"role": st.sampled_from(["user", "assistant", "system"]),
+     "content": st.one_of(clean_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": clean_text}),
+                                               min_size=1, max_size=2))})
+CHAT = {**SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 4)}
+HOSTILE_ONLY = {"chat_template": any_text, "chat_template_kwargs": hostile, "response_format": hostile,
+                "tools": hostile, "suffix": any_text, "best_of": extreme_int, "stream_options": hostile,
+                "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
+                "top_logprobs": extreme_int}
+
+
+def bodies(required: dict, optional: dict):
+    plausible = st.fixed_dictionaries(required, optional=optional)
+    names = sorted({*required, *optional, *HOSTILE_ONLY})
+    one_bad = st.tuples(plausible, st.sampled_from(names), hostile).map(lambda t: {**t[0], t[1]: t[2]})
+    anything = st.fixed_dictionaries({k: st.one_of(v, hostile) for k, v in required.items()},
+                                     optional={k: st.one_of(v, hostile) for k, v in {**optional, **HOSTILE_ONLY}.items()})
+    return st.one_of(plausible, one_bad, anything)
+
+
+max_tokens = st.integers(1, 4)
+completion_body = bodies({"prompt": st.one_of(clean_text, st.lists(clean_text, min_size=1, max_size=3), token_ids,
+                                              st.lists(token_ids, min_size=1, max_size=3)),
+                          "max_tokens": max_tokens}, COMPLETION)
+chat_body = bodies({"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": max_tokens}, CHAT)
+tokenize_body = bodies({"prompt": clean_text}, {"model": st.just("tiny"), "add_special_tokens": st.booleans()})
+detokenize_body = bodies({"tokens": token_ids}, {"model": st.just("tiny")})
 raw_bytes = st.one_of(
     st.binary(max_size=200),
     st.integers(1, 5000).map(lambda d: b'{"prompt": ' + b"[" * d + b"]" * d + b', "max_tokens": 1}'),

@@ -255,6 +255,17 @@ def test_9_connections_that_never_finish_their_headers_are_dropped(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_9_a_body_that_stalls_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert b'"code":408' in answer.replace(b" ", b"")
+
+
 # ---- 11. types are strict, floats finite and in range ---------------------------------------------------
 @pytest.mark.parametrize("body, param", [
     (b'{"prompt": "Hi", "max_tokens": 1, "temperature": Infinity}', "temperature"),

@@ -65,6 +65,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     chat_template_timeout: float = DEFAULT_TIMEOUT_S
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
 
 
@@ -137,7 +138,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       idle_timeout_s=settings.header_timeout)
     app.add_middleware(_GateMiddleware, state=state)  # added last: runs first
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
@@ -298,7 +300,8 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                disable_log_stats: bool = False, enable_log_requests: bool = False,
                shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S, chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> int:
+               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
     settings = ServerSettings(
         served_model_name=config.served_model_name,
@@ -311,6 +314,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         trust_request_chat_template=trust_request_chat_template,
         max_request_body_bytes=max_request_body_bytes,
         chat_template_timeout=chat_template_timeout,
+        header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
     )
     metrics = EngineMetrics(settings.served_model_name)

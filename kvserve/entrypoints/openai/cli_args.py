@@ -38,10 +38,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="Accept a chat_template in chat requests (refused by default, as in vLLM).")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help=f"Largest request body accepted; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES}).")
+                   help="Largest request body accepted, in bytes; larger ones get 413 "
+                        f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES}).")
     g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help="Seconds a client has to send a request's headers before its connection is closed "
-                        f"(default: {DEFAULT_HEADER_TIMEOUT_S:g}).")
+                   help="Seconds a client has to send a request's headers before its connection is closed, and "
+                        f"the longest pause allowed within a request body (408) (default: {DEFAULT_HEADER_TIMEOUT_S:g}).")
     g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="Seconds one chat template render may take before it is stopped and the request "
                         f"gets 400 (default: {DEFAULT_TIMEOUT_S:g}).")

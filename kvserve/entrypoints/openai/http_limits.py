@@ -4,6 +4,8 @@ a client that never finishes them would hold its connection for ever)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvserve.entrypoints.openai.errors import error_response
@@ -19,9 +21,10 @@ class BodyLimitMiddleware:
     app then reads the buffered body and, after it, the connection's own messages (so disconnects still
     reach it). A Content-Length above the limit is refused before a byte of the body is read."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, idle_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S):
         self.app = app
         self.max_bytes = max_bytes
+        self.idle_timeout_s = idle_timeout_s  # a body that stalls this long gets 408: no slow-body hold
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in _METHODS_WITH_BODY:
@@ -36,7 +39,12 @@ class BodyLimitMiddleware:
                     return await self._too_large(scope, receive, send)
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            except asyncio.TimeoutError:
+                response = error_response(f"No request body data for {self.idle_timeout_s:g} s.", 408)
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             body = message.get("body", b"")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -23,6 +24,8 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnect,
     usage,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -53,12 +56,18 @@ class ServingChat(ServingBase):
         self.renderer: ChatTemplateRenderer | None = None  # started once the tokenizer is loaded
         self._renderer_lock = threading.Lock()
         self._renderer_limits = limits  # ChatTemplateRenderer's time and size limits
+        self._renderer_failed = False
 
     def start_renderer(self) -> None:
         """Starts the render worker (the server calls this once the tokenizer is loaded, off the loop)."""
         with self._renderer_lock:
-            if self.tokenizer is not None and self.renderer is None:
-                self.renderer = ChatTemplateRenderer(self.tokenizer, **self._renderer_limits)
+            if self.tokenizer is not None and self.renderer is None and not self._renderer_failed:
+                try:
+                    self.renderer = ChatTemplateRenderer(self.tokenizer, **self._renderer_limits)
+                except Exception:  # e.g. a tokenizer that cannot be pickled: render on a thread instead
+                    logger.exception("Could not start the chat template worker; templates render on a thread, "
+                                     "without a time limit.")
+                    self._renderer_failed = True
 
     def close(self) -> None:
         if self.renderer is not None:
@@ -84,6 +93,9 @@ class ServingChat(ServingBase):
         if self.renderer is None:  # a request that beat the start-up hook
             await asyncio.get_running_loop().run_in_executor(None, self.start_renderer)
         try:
+            if self.renderer is None:
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
             return await self.renderer.render(conversation, **kwargs)
         except APIError:
             raise
