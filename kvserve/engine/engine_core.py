@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.executor.abstract import ExecutorDeadError
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -67,14 +68,19 @@ class EngineCore:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception:  # the requests to blame fail; the others recompute and go on
+                except Exception as e:
                     logger.exception("Engine step failed")
-                    failed = self._recover(engine)
+                    if isinstance(e, ExecutorDeadError):  # no step can run any more: fail them all, then exit
+                        failed = list(self.live)
+                        engine.abort_request(failed)
+                        self.live.clear()
+                        publish(EngineBatch(accepted, [], failed, engine.get_stats()))
+                        raise
+                    failed = self._recover(engine)  # the requests to blame fail; the others recompute
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
             publish(EngineBatch(accepted, outputs, failed, engine.get_stats()))
-
 
     def _recover(self, engine) -> list[str]:
         try:
@@ -108,6 +114,8 @@ def run_engine_core_process(args, conn) -> None:
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
+        # The resolved config first: the server loads its tokenizer while this process loads the model.
+        conn.send(("config", args.create_engine_config()))
         engine = LLMEngine(args)
     except BaseException as e:  # reported to the server, which exits
         logger.exception("Engine failed to start")

@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_parallel_state
 from kvserve.model.layers import (
-    MergedColumnLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    ColumnParallelLinear,
-    VocabEmbedding,
+    VocabParallelEmbedding,
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
@@ -30,14 +31,16 @@ from kvserve.ops.attention_metadata import AttentionMetadata
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, cfg.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -62,8 +65,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
@@ -105,55 +108,100 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 layer_range: tuple[int, int] | None = None):
+        """layer_range: the decoder layers this pipeline stage runs (default: all)."""
         super().__init__()
         self.config = cfg
+        ps = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
+        self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
+        # Layers of other stages are empty placeholders, so parameter names stay the checkpoint's.
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend) if self.start_layer <= i < self.end_layer else nn.Module()
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = self.lm_head = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor
+            else:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         # Shared by all layers; registered once here so .to(device) moves it once.
         self.rotary = rotary
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[self.start_layer].self_attn.num_kv_heads
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of our parameters that were filled."""
+    def _on_this_rank(self, name: str) -> bool:
+        """Whether a checkpoint tensor (our name) belongs to this pipeline stage."""
+        if name.startswith("layers."):
+            return self.start_layer <= int(name.split(".", 2)[1]) < self.end_layer
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        return self.is_last_stage  # norm, lm_head
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Load HF-named tensors (or lazy slices, read only for this rank's part); returns the names of our
+        parameters that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            shard = None
-            for hf_part, (our_part, shard_id) in self._MERGED.items():
-                if hf_part in name:
-                    name, shard = name.replace(hf_part, our_part), shard_id
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            with torch.no_grad():
-                owner.weight_loader(param, tensor.to(param.dtype), shard)
-            loaded.add(name)
+            targets = [name]
+            if name == "embed_tokens.weight" and self.config.tie_word_embeddings and self.is_last_stage \
+                    and self.lm_head.weight is not getattr(self.embed_tokens, "weight", None):
+                targets = ["lm_head.weight"] + ([name] if self.embed_tokens is not None else [])
+            elif not self._on_this_rank(name):
+                continue
+            for target in targets:
+                loaded.add(self._load_one(params, target, tensor))
         return loaded
+
+    def _load_one(self, params: dict, name: str, tensor) -> str:
+        shard = None
+        for hf_part, (our_part, shard_id) in self._MERGED.items():
+            if hf_part in name:
+                name, shard = name.replace(hf_part, our_part), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        owner = self.get_submodule(name.rsplit(".", 1)[0])
+        loader = getattr(param, "weight_loader", None) or owner.weight_loader
+        with torch.no_grad():
+            loader(param, tensor, shard)
+        return name
 
 
 class MistralForCausalLM(LlamaForCausalLM):

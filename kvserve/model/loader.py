@@ -17,7 +17,36 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A safetensors tensor not read yet: `narrow` only records the range, `load` reads just that range,
+    so a tensor-parallel rank reads its own slice of each weight (host memory ~ its shard, not the model)."""
+
+    def __init__(self, lazy, shape, ranges=None):
+        self._lazy = lazy
+        self.shape = torch.Size(shape)
+        self._ranges = ranges or [(0, n) for n in shape]
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        dim %= len(self.shape)
+        if start < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) is outside dimension {dim} of size {self.shape[dim]}")
+        base = self._ranges[dim][0]
+        ranges = list(self._ranges)
+        ranges[dim] = (base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return CheckpointSlice(self._lazy, shape, ranges)
+
+    def reshape(self, *shape) -> torch.Tensor:
+        return self.load().reshape(*shape)
+
+    def load(self) -> torch.Tensor:
+        if not self.shape:  # a scalar
+            return self._lazy[:]
+        return self._lazy[tuple(slice(a, b) for a, b in self._ranges)]
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -26,7 +55,8 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                lazy = f.get_slice(name)
+                yield name, CheckpointSlice(lazy, lazy.get_shape())
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -50,17 +80,23 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int,
     seed: int = 0,
+    layer_range: tuple[int, int] | None = None,
 ) -> torch.nn.Module:
     model_cls = MODEL_REGISTRY[cfg.architecture]
     torch_dtype = DTYPES[dtype]
-    with torch.device(device):
-        model = model_cls(cfg, backend, max_positions)
-    # Parameters in the serving dtype; rotary caches stay fp32 (HF computes cos/sin in fp32 too).
-    for param in model.parameters():
-        param.data = param.data.to(torch_dtype)
+    # Float parameters are created in the serving dtype (a linear method may choose others: those stay);
+    # rotary caches are built in fp32 explicitly (HF computes cos/sin in fp32 too).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg, backend, max_positions, layer_range)
+    finally:
+        torch.set_default_dtype(previous)
 
     if load_format == "dummy":
         _fill_dummy(model, seed)
+        _process_weights_after_loading(model)
         return model.eval()
     if load_format == "gguf" or (load_format == "auto" and model_path.suffix == ".gguf"):
         from kvserve.model.gguf_loader import iter_gguf_weights
@@ -72,4 +108,12 @@ def load_model(
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint at {model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+    _process_weights_after_loading(model)
     return model.eval()
+
+
+def _process_weights_after_loading(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
