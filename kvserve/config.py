@@ -25,6 +25,8 @@ class EngineArgs:
     load_format: str = field(default="auto", metadata={"help": "auto | safetensors | gguf | dummy (random weights from the config).", "group": "Model"})
     seed: int = field(default=0, metadata={"help": "Random seed for requests without their own seed and for dummy weights.", "group": "Model"})
     quantization: str | None = field(default=None, metadata={"help": "Weight quantization (none supported yet).", "group": "Model"})
+    max_logprobs: int = field(default=20, metadata={"help": "Most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: no limit (then -1, the whole vocabulary, is allowed).", "group": "Model"})
+    max_n: int = field(default=128, metadata={"help": "Most samples (n) one request may ask for (OpenAI's limit is 128).", "group": "Model"})
     # Cache
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block.", "group": "Cache"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory this engine may use (weights + activations + KV cache).", "group": "Cache"})
@@ -66,6 +68,10 @@ class EngineArgs:
             bad("block_size", f"must be a power of two between 1 and 256, got {self.block_size}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.max_logprobs < -1:
+            bad("max_logprobs", f"must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
+        if self.max_n < 1:
+            bad("max_n", f"must be >= 1, got {self.max_n}.")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}.")
         if self.max_model_len is not None and self.max_model_len < 1:

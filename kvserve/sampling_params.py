@@ -13,6 +13,74 @@ logger = logging.getLogger(__name__)
 _SAMPLING_EPS = 1e-5
 # Below this, softmax(logits / t) overflows to inf/nan in half precision; vLLM raises it to this.
 _MIN_RANDOM_TEMPERATURE = 1e-2
+# Ranges beyond vLLM's "> 0": past them a value only makes logits overflow (OpenAI's own maximum is 2).
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds, as vLLM: what a torch generator and numpy accept
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs
+DEFAULT_MAX_N = 128  # OpenAI's limit on n
+
+# The type each field must have: a JSON true is not a number, a string is not a boolean.
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+                "spaces_between_special_tokens")
+_OPTIONAL = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _real(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(x).__name__} {x!r}.")
+    try:
+        value = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {x}.") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {x}.")
+    return value
+
+
+def _token_key(tok) -> int:
+    """A logit_bias key: a token id, or its decimal string (JSON object keys are strings)."""
+    if _is_int(tok):
+        return tok
+    if isinstance(tok, str) and len(tok) <= 20 and tok.strip().lstrip("-").isdigit():
+        return int(tok)
+    raise ValueError(f"logit_bias keys must be token ids, got {str(tok)[:40]!r}.")
+
+
+def _check_types(p) -> None:
+    for name in _INT_FIELDS:
+        value = getattr(p, name)
+        if value is None and name in _OPTIONAL:
+            continue
+        if not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
+    for name in _FLOAT_FIELDS:
+        _real(name, getattr(p, name))
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name} must be a boolean, got {type(getattr(p, name)).__name__}.")
+    if p.logit_bias is not None and not isinstance(p.logit_bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(p.logit_bias).__name__}.")
+    for name in ("stop_token_ids", "bad_words", "allowed_token_ids"):
+        value = getattr(p, name)
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {type(value).__name__}.")
+    if p.stop is not None and not isinstance(p.stop, (str, list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(p.stop).__name__}.")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -50,6 +118,7 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        _check_types(self)  # before normalising: a wrong type must not be coerced into a right one
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -61,7 +130,7 @@ class SamplingParams:
             self.seed = None
         if self.logit_bias is not None:
             # JSON object keys arrive as strings.
-            self.logit_bias = {int(tok): float(bias) for tok, bias in self.logit_bias.items()}
+            self.logit_bias = {_token_key(tok): _real("logit_bias", bias) for tok, bias in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
@@ -82,22 +151,25 @@ class SamplingParams:
         def bad(name: str, msg: str):
             raise ValueError(f"{name} {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             bad("n", f"must be an integer of at least 1, got {self.n!r}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 bad(name, f"must be in [-2, 2], got {value}.")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}.")
-        if not self.temperature >= 0:
-            bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                                      f"(1 is off), got {self.repetition_penalty}.")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not 0 <= self.top_k <= INT64_MAX:
             bad("top_k", f"must be 0 or -1 (off) or a positive integer, got {self.top_k!r}.")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            bad("seed", f"must be a signed 64-bit integer (in [-2**63, 2**63 - 1]), got {self.seed}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
@@ -108,7 +180,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < -1:
                 bad(name, f"must be a non-negative integer or -1 (the whole vocabulary), got {value}.")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", f"must contain only integers, got {self.stop_token_ids}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", f"must be non-empty strings, got {self.stop}.")
@@ -116,12 +188,37 @@ class SamplingParams:
             bad("stop", "strings need detokenize=True (they are matched on the text).")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", f"must be non-empty strings, got {self.bad_words}.")
-        if self.logit_bias is not None and not all(math.isfinite(b) for b in self.logit_bias.values()):
-            bad("logit_bias", "values must be finite numbers.")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            bad("allowed_token_ids", "must not be empty (leave it unset to allow every token).")
+        for name in ("stop", "bad_words"):
+            if any(not _is_utf8(s) for s in getattr(self, name)):
+                bad(name, "must be valid Unicode text (no lone surrogates).")
+        if self.logit_bias is not None and not all(-100 <= b <= 100 for b in self.logit_bias.values()):
+            bad("logit_bias", "values must be finite numbers in [-100, 100].")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty (leave it unset to allow every token).")
+            if not all(_is_int(t) for t in self.allowed_token_ids):
+                bad("allowed_token_ids", f"must contain only integers, got {self.allowed_token_ids[:5]}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}.")
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                         max_n: int = DEFAULT_MAX_N) -> None:
+        """The limits that depend on the model and the operator's flags (--max-logprobs, --max-n). The engine
+        calls this for every request it adds; the server calls it too, to answer 400 before the engine."""
+        if self.n > max_n:
+            raise ValueError(f"n must be at most {max_n} (--max-n), got {self.n}.")
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1, 0 or at most the vocabulary size {vocab_size}, got {self.top_k}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None or max_logprobs == -1:
+                continue
+            if value == -1:
+                raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs); -1 (the whole "
+                                 f"vocabulary) needs --max-logprobs -1.")
+            if value > max_logprobs:
+                raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
+        self.verify_token_ids(vocab_size)
 
     # ---- derived ----------------------------------------------------------------------------------
     @property

@@ -82,9 +82,13 @@ class _ExplodingEngine:
 
     is_ready = True
     tokenizer = None
-    config = SimpleNamespace(max_model_len=64, model_config=SimpleNamespace(vocab_size=100))
+    config = SimpleNamespace(max_model_len=64, model_config=SimpleNamespace(vocab_size=100),
+                             args=SimpleNamespace(max_logprobs=20, max_n=128))
 
     async def add_request(self, prompt, params, request_id=None):
+        raise RuntimeError("boom")
+
+    async def add_requests(self, items):
         raise RuntimeError("boom")
 
     def abort(self, request_id):

@@ -311,6 +311,18 @@ class Scheduler:
         out.preemptions.append(PreemptionEvent(req.request_id, mode, num_tokens, num_blocks, self.kv.usage(),
                                                len(self.running), len(self.waiting)))
 
+    def roll_back_running(self) -> None:
+        """After a failed step: every running request recomputes from its prompt and the tokens it has (what
+        the step had scheduled for it, and any token still in flight, is forgotten)."""
+        for req in list(self.running):
+            req.num_pending_outputs = 0
+            self._preempt(req)
+            self.num_preemptions -= 1  # not memory pressure: keep the counter honest
+            req.num_preemptions -= 1
+        self.running.clear()
+        for req in self.waiting:
+            req.num_pending_outputs = 0
+
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the step's sampled tokens and finish requests; returns those touched."""
         touched = []

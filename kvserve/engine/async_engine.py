@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
@@ -45,6 +46,10 @@ class EngineNotReadyError(RuntimeError):
 
 class EngineFailedError(RuntimeError):
     """A step failed; the requests in it were aborted (the engine itself keeps running)."""
+
+
+class EngineDeadError(EngineFailedError):
+    """The engine core (process or thread) is gone: nothing more can be served (vLLM's EngineDeadError)."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -147,6 +152,8 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process = None
         self._stopping = False
+        self.dead_error: EngineDeadError | None = None  # set once the engine core is gone
+        self._dead: asyncio.Event | None = None
         self.on_crashed = None  # called (on the event loop) when the engine dies under the server
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -154,6 +161,7 @@ class AsyncEngine:
         """Starts loading the model; call from the running event loop, then `await ready()`."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
+        self._dead = asyncio.Event()
         target = self._run_process if self.use_process else self._run_thread
         self._spawn_thread(target, "kvserve-engine")
 
@@ -167,16 +175,31 @@ class AsyncEngine:
                 and self._started.exception() is None and not self._stopping)
 
     @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    async def wait_dead(self) -> EngineDeadError:
+        """Returns once the engine core has died after having started (never, while it lives)."""
+        await self._dead.wait()
+        return self.dead_error
+
+    @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    def abort_all(self, reason: str) -> None:
+        """Ends every request now: each stream's reader gets EngineNotReadyError(reason) (a 503)."""
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                stream.finished = True
+                stream.fail(EngineNotReadyError(reason))
+                self._commands.put(("abort", request_id))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still running and stops the engine."""
         self._stopping = True
-        for stream in list(self._streams.values()):
-            stream.finished = True
-            stream.fail(EngineNotReadyError("The server is shutting down."))
-        self._streams.clear()
+        self.abort_all("The server is shutting down.")
         self._commands.put(STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._join, timeout)
 
@@ -207,22 +230,41 @@ class AsyncEngine:
         """Adds a request and returns its stream once the engine has accepted it (ValueError if it did not),
         so a server can answer 400 before it starts a 200 response. Whoever holds the stream must read it
         to the end or call `abort(stream.request_id)`."""
+        return (await self.add_requests([(request_id, prompt, sampling_params)]))[0]
+
+    async def add_requests(self, items) -> list[RequestStream]:
+        """Adds several (request_id or None, prompt, params) as one batch: the engine receives them together
+        and the call waits once. All or nothing: if the engine refuses one (its error is raised), or the
+        caller is cancelled (a client that left), every one of them is aborted."""
+        if self.dead_error is not None:
+            raise self.dead_error
         if not self.is_ready:
             raise EngineNotReadyError("The engine is not ready (the model is loading, or the server is stopping).")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenized here, not on the engine thread, so a long prompt never delays a step.
-        text, token_ids = parse_prompt(prompt, self.tokenizer)
-        stream = RequestStream(request_id, sampling_params.output_kind, time.time(), text, token_ids)
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
+        ids = [rid or uuid.uuid4().hex for rid, _, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids within one batch must differ")
+        for rid in ids:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+        streams, commands = [], []
+        for rid, (_, prompt, params) in zip(ids, items):
+            # Tokenized here, not on the engine thread, so a long prompt never delays a step.
+            text, token_ids = parse_prompt(prompt, self.tokenizer)
+            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids)
+            streams.append(stream)
+            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        for command in commands:
+            self._commands.put(command)
         try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
+            for stream in streams:
+                await stream.accepted
+        except BaseException:
+            for stream in streams:
+                self.abort(stream.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its blocks (idempotent; unknown ids are ignored)."""
@@ -254,9 +296,9 @@ class AsyncEngine:
         self._post(self._on_started, engine.config, tokenizer, None)
         try:
             EngineCore(engine).run(self._take_commands, lambda batch: self._post(self._on_batch, batch))
-        except BaseException:  # last resort: never die silently
+        except BaseException as e:  # last resort: never die silently
             logger.exception("Engine loop crashed")
-            self._post(self._on_crashed)
+            self._post(self._on_crashed, f"The engine loop crashed: {type(e).__name__}: {e}")
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -274,6 +316,7 @@ class AsyncEngine:
                                     name="kvserve-engine-core", daemon=True)
         try:
             self._process.start()
+            logger.info("Engine core process started (pid %d)", self._process.pid)
             child_conn.close()
             kind, payload = conn.recv()
             tokenizer_future = None
@@ -289,17 +332,26 @@ class AsyncEngine:
             return
         self._post(self._on_started, payload, tokenizer, None)
         self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
+        # Wait on the pipe and on the process itself: a grandchild holding the pipe open must not hide the
+        # engine's death, which is noticed at once either way (vLLM's EngineDeadError).
+        sentinel = self._process.sentinel
         while True:
+            ready = mp_connection.wait([conn, sentinel])
             try:
-                self._post(self._on_batch, conn.recv())
+                if conn in ready or conn.poll(0):
+                    self._post(self._on_batch, conn.recv())
+                    continue
             except (EOFError, OSError):
                 break
             except Exception:  # an undecodable message must not stop the receiver
                 logger.exception("Dropped a message from the engine process")
+                continue
+            break  # the process is gone and its last messages are read
         self._process.join(5)
         if not self._stopping:
-            logger.error("The engine process exited unexpectedly (exit code %s)", self._process.exitcode)
-            self._post(self._on_crashed)
+            code = self._process.exitcode
+            logger.error("The engine process died unexpectedly (exit code %s)", code)
+            self._post(self._on_crashed, f"The engine process died unexpectedly (exit code {code}).")
 
     def _send_commands(self, conn) -> None:
         """Batches what is queued into one message: one pickle and one write per wake-up, not per command."""
@@ -333,11 +385,13 @@ class AsyncEngine:
         self.config, self.tokenizer = config, tokenizer
         self._started.set_result(None)
 
-    def _on_crashed(self) -> None:
-        self._stopping = True
+    def _on_crashed(self, reason: str) -> None:
+        self.dead_error = EngineDeadError(f"{reason} The server cannot serve requests any more and is exiting.")
         for stream in list(self._streams.values()):
-            stream.fail(EngineFailedError("The engine loop crashed; see the server log."))
+            stream.finished = True
+            stream.fail(self.dead_error)
         self._streams.clear()
+        self._dead.set()
         if self.on_crashed is not None:
             self.on_crashed()
 

@@ -75,18 +75,31 @@ class EngineCore:
                     failed = [rid for rid in e.request_ids if rid in self.live]
                     self.live.difference_update(failed)
                     failed_reason = str(e)
-                except Exception as e:  # abort what was running; keep serving the rest
-                    logger.exception("Engine step failed; aborting the %d requests in flight", len(self.live))
-                    failed = list(self.live)
-                    engine.abort_request(failed)
-                    self.live.clear()
-                    if isinstance(e, ExecutorDeadError):  # no step can run any more: fail them, then exit
+                except Exception as e:
+                    logger.exception("Engine step failed")
+                    if isinstance(e, ExecutorDeadError):  # no step can run any more: fail them all, then exit
+                        failed = list(self.live)
+                        engine.abort_request(failed)
+                        self.live.clear()
                         publish(EngineBatch(accepted, [], failed, engine.get_stats()))
                         raise
+                    failed = self._recover(engine)  # the requests to blame fail; the others recompute
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
             publish(EngineBatch(accepted, outputs, failed, engine.get_stats(), failed_reason))
+
+    def _recover(self, engine) -> list[str]:
+        try:
+            failed = [rid for rid in engine.recover_from_failed_step() if rid in self.live]
+        except Exception:  # noqa: BLE001 - recovery itself failed: fall back to aborting everything
+            logger.exception("Could not attribute the failed step; aborting the %d requests in flight",
+                             len(self.live))
+            failed = list(self.live)
+            engine.abort_request(failed)
+        logger.error("Aborted %d request(s) after the failed step: %s", len(failed), failed[:10])
+        self.live.difference_update(failed)
+        return failed
 
 
 def _portable(e: Exception) -> Exception:

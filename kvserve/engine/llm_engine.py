@@ -29,6 +29,7 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
+from kvserve.worker.sampling_metadata import sampling_inputs_valid
 from kvserve.worker.runner_output import PendingOutput
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class LLMEngine:
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
         self._carried_outputs: list[RequestOutput] = []
-        self._scheduled_now: SchedulerOutput | None = None
+        self._scheduled_now: SchedulerOutput | None = None  # what the current step() scheduled (OOM triage)
+        self._last_scheduled: list = []  # requests of the step that failed (recover_from_failed_step)
 
     def _init_swap_space(self) -> dict:
         """--swap-space and --preemption-mode: the CPU blocks, and for auto the two costs it compares."""
@@ -185,7 +187,8 @@ class LLMEngine:
             raise ValueError("stop strings and bad_words need a tokenizer; skip_tokenizer_init is set.")
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
-        params.verify_token_ids(self.config.model_config.vocab_size)
+        args = self.config.args
+        params.verify_for_model(self.config.model_config.vocab_size, args.max_logprobs, args.max_n)
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -222,6 +225,7 @@ class LLMEngine:
         # Outputs of a step that completed before an out-of-memory error in the same call.
         outputs, self._carried_outputs = self._carried_outputs, []
         self._scheduled_now = None
+        self._last_scheduled = []
         try:
             if self.max_batches_in_flight > 1:
                 return outputs + self._pipelined_step()
@@ -234,6 +238,9 @@ class LLMEngine:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         self._scheduled_now = sched_out = self.scheduler.schedule()
+        self._last_scheduled = list(sched_out.scheduled)
+        if self._in_flight is not None:
+            self._last_scheduled += self._in_flight.sched_out.scheduled
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
         if self._needs_history and sched_out.finished_req_ids:
@@ -249,6 +256,27 @@ class LLMEngine:
         else:
             outputs += self._finish(launched)
         return outputs
+
+    def recover_from_failed_step(self) -> list[str]:
+        """After step() raised: finds the requests whose own parameters fail a step (each tried alone in the
+        per-request parts of sampling), aborts them and returns their ids; every other request is rolled
+        back to recompute (its K/V and tokens in flight are dropped) and goes on. When no request is to
+        blame, every request of the failed step is aborted: the engine itself keeps serving."""
+        scheduled = self._last_scheduled
+        if self.max_batches_in_flight > 1 or not scheduled:
+            raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
+        vocab = self.config.model_config.vocab_size
+        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s, vocab)}
+        if not culprits:
+            culprits = {s.request_id for s in scheduled}
+        parents = {self.output_processor.samples[c].parent.request_id for c in culprits
+                   if c in self.output_processor.samples}
+        self.abort_request(sorted(parents))
+        self._in_flight = None
+        self._last_scheduled = []
+        self.scheduler.roll_back_running()
+        self.kv_cache_manager.reset_prefix_cache()  # a failed forward may have left blocks half written
+        return sorted(parents)
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches

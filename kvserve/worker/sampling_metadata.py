@@ -135,3 +135,16 @@ def build_sampling_metadata(
     meta.min_p = _on_device(min_p, dev, torch.float32) if any(min_p) else None
     meta.generators = {j: generators[s.request_id] for j, s in enumerate(scheduled) if s.request_id in generators}
     return meta
+
+
+def sampling_inputs_valid(scheduled, vocab_size: int) -> bool:
+    """Whether one request's own sampling inputs (its seed's generator, its parameters as tensors) can be
+    built: after a failed step the engine asks this of each request, to find the one to blame."""
+    try:
+        seed = getattr(scheduled.sampling_params, "seed", None)
+        if seed is not None:
+            torch.Generator().manual_seed(seed)
+        build_sampling_metadata([scheduled], {}, vocab_size, torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - any failure here is this request's
+        return False
+    return True

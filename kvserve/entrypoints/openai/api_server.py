@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine, run by uvicorn.
 
 The port opens at once and answers 503 while the model loads (so orchestrators can probe /health); on
-SIGTERM/SIGINT it stops accepting, answers 503 to new requests, lets in-flight streams finish (bounded by
---shutdown-timeout), stops the engine and exits 0.
+SIGTERM/SIGINT it answers 503 to new requests while in-flight streams finish (bounded by
+--shutdown-timeout: streams still running then get an error event and [DONE]), stops the engine and exits
+0. If the engine core dies, every request (and /health) answers 500 and the server exits 1.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import kvserve
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.http_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    BodyLimitMiddleware,
+    header_timeout_protocol,
+)
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +62,11 @@ class ServerSettings:
     chat_template: str | None = None
     disable_log_stats: bool = False
     enable_log_requests: bool = False
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    chat_template_timeout: float = DEFAULT_TIMEOUT_S
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    shutdown_timeout: float = 30.0
 
 
 @dataclass
@@ -66,6 +79,8 @@ class ServerState:
     draining: bool = False
     exit_code: int = 0
     request_exit: object = None  # callable set by the runner: stop uvicorn (engine failed to start)
+    loop: asyncio.AbstractEventLoop | None = None
+    on_ready: object = None  # callable run (off the loop) once the engine is up: starts the chat renderer
 
 
 class _GateMiddleware:
@@ -84,6 +99,8 @@ class _GateMiddleware:
         if self._key is not None and path not in _UNAUTHENTICATED_PATHS and not self._authorized(scope):
             return await error_response("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401)(
                 scope, receive, send)
+        if getattr(self.state.engine, "is_dead", False) and path not in ("/metrics", "/version"):
+            return await error_response(str(self.state.engine.dead_error), 500)(scope, receive, send)
         if path not in _ALWAYS_AVAILABLE_PATHS:
             if self.state.draining:
                 return await error_response("The server is shutting down.", 503)(scope, receive, send)
@@ -105,8 +122,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         engine.start()
-        tasks = [asyncio.create_task(_watch_startup(state))]
+        tasks = [asyncio.create_task(_watch_startup(state)), asyncio.create_task(_watch_engine_death(state))]
         if not settings.disable_log_stats:
             tasks.append(asyncio.create_task(_log_stats(metrics)))
         try:
@@ -114,17 +132,25 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             for t in tasks:
                 t.cancel()
+            chat.close()
             await engine.shutdown()
             logger.info("Engine stopped")
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(_GateMiddleware, state=state)
-    chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       idle_timeout_s=settings.header_timeout)
+    app.add_middleware(_GateMiddleware, state=state)  # added last: runs first
+    chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
+                       trust_request_chat_template=settings.trust_request_chat_template,
+                       timeout_s=settings.chat_template_timeout)
+    state.on_ready = chat.start_renderer
     completion = ServingCompletion(engine, settings.served_model_name)
 
     @app.get("/health")
     async def health():
+        if getattr(engine, "is_dead", False):
+            return error_response(str(engine.dead_error), 500)
         if state.draining:
             return error_response("The server is shutting down.", 503)
         if not engine.is_ready:
@@ -164,25 +190,25 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         chat.check_model(body.model)
-        tokenizer = chat.require_tokenizer("/tokenize")
+        chat.require_tokenizer("/tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Give exactly one of prompt and messages.", 400)
         if body.messages is not None:
-            text = chat.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    body.chat_template, body.chat_template_kwargs)
+            text = await chat.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                          body.chat_template, body.chat_template_kwargs)
             special = bool(body.add_special_tokens)  # the template already placed them
         else:
             text = body.prompt
             special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = tokenizer.encode(text, add_special_tokens=special)
+        tokens = await chat.encode(text, special, "messages" if body.messages is not None else "prompt")
         return {"count": len(tokens), "max_model_len": engine.config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         chat.check_model(body.model)
-        tokenizer = chat.require_tokenizer("/detokenize")
-        chat.check_token_ids(body.tokens)
-        return {"prompt": tokenizer.decode(body.tokens)}
+        chat.require_tokenizer("/detokenize")
+        chat.check_token_ids(body.tokens, "tokens")
+        return {"prompt": await chat.decode(body.tokens)}
 
     return app
 
@@ -202,8 +228,19 @@ async def _watch_startup(state: ServerState) -> None:
         if state.request_exit is not None:
             state.request_exit()
         return
+    if state.on_ready is not None:
+        await asyncio.get_running_loop().run_in_executor(None, state.on_ready)
     logger.info("Ready: serving %s (max_model_len %d) after %.1f s", state.settings.served_model_name,
                 state.engine.config.max_model_len, time.perf_counter() - t0)
+
+
+async def _watch_engine_death(state: ServerState) -> None:
+    """A dead engine core cannot come back: fail fast and exit non-zero, so a supervisor restarts us."""
+    error = await state.engine.wait_dead()
+    logger.error("%s", error)
+    state.exit_code = 1
+    if state.request_exit is not None:
+        state.request_exit()
 
 
 async def _log_stats(metrics: EngineMetrics) -> None:
@@ -213,19 +250,38 @@ async def _log_stats(metrics: EngineMetrics) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, except that a signal drains first and the process then exits 0 instead of re-raising it."""
+    """uvicorn, except that a signal first drains: the port stays open and answers 503 to new requests while
+    in-flight ones finish, for at most --shutdown-timeout; streams still running then end with an error
+    event and [DONE]. Then uvicorn stops and the process exits 0 (or 1 if the engine died)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting for streams
+        if self.state.draining:
+            if sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for streams
+            self.should_exit = True
             return
-        if not self.should_exit:
-            logger.info("Received %s: draining in-flight requests, then exiting.", signal.Signals(sig).name)
+        logger.info("Received %s: draining in-flight requests, then exiting.", signal.Signals(sig).name)
         self.state.draining = True
+        loop = self.state.loop
+        if loop is None or not self.state.engine.is_ready:
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        engine, timeout = self.state.engine, self.state.settings.shutdown_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while engine.num_active and loop.time() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if engine.num_active:
+            logger.warning("Shutdown timeout (%.0f s): ending %d unfinished request(s) with an error.",
+                           timeout, engine.num_active)
+            engine.abort_all(f"The server shut down before this request finished (--shutdown-timeout {timeout:g} s).")
         self.should_exit = True
 
 
@@ -242,7 +298,10 @@ def read_chat_template(value: str | None) -> str | None:
 def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                uvicorn_log_level: str = "info", chat_template: str | None = None, response_role: str = "assistant",
                disable_log_stats: bool = False, enable_log_requests: bool = False,
-               shutdown_timeout: float = 30.0) -> int:
+               shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
     settings = ServerSettings(
         served_model_name=config.served_model_name,
@@ -252,12 +311,19 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         chat_template=read_chat_template(chat_template),
         disable_log_stats=disable_log_stats,
         enable_log_requests=enable_log_requests,
+        trust_request_chat_template=trust_request_chat_template,
+        max_request_body_bytes=max_request_body_bytes,
+        chat_template_timeout=chat_template_timeout,
+        header_timeout=header_timeout,
+        shutdown_timeout=shutdown_timeout,
     )
     metrics = EngineMetrics(settings.served_model_name)
     state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)
     app = build_app(state)
+    # The drain (above) already waited for the requests; uvicorn's own wait only flushes their last bytes.
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
+                               timeout_graceful_shutdown=10, timeout_keep_alive=5,
+                               http=header_timeout_protocol(header_timeout))
     server = _Server(uv_config, state)
 
     def request_exit():

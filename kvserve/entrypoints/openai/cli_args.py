@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -31,7 +33,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM compatibility (requests are not logged unless --enable-log-requests).")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting (default: 30).")
+                   help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting (default: 30); "
+                        "new requests meanwhile get 503, and streams still running at the end get an error event.")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Accept a chat_template in chat requests (refused by default, as in vLLM).")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="Largest request body accepted, in bytes; larger ones get 413 "
+                        f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES}).")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="Seconds a client has to send a request's headers before its connection is closed, and "
+                        f"the longest pause allowed within a request body (408) (default: {DEFAULT_HEADER_TIMEOUT_S:g}).")
+    g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="Seconds one chat template render may take before it is stopped and the request "
+                        f"gets 400 (default: {DEFAULT_TIMEOUT_S:g}).")
 
 
 def add_serve_parser(subparsers) -> None:
@@ -57,4 +71,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         args, host=ns.host, port=ns.port, api_key=ns.api_key, uvicorn_log_level=ns.uvicorn_log_level,
         chat_template=ns.chat_template, response_role=ns.response_role, disable_log_stats=ns.disable_log_stats,
         enable_log_requests=ns.enable_log_requests, shutdown_timeout=ns.shutdown_timeout,
+        trust_request_chat_template=ns.trust_request_chat_template, max_request_body_bytes=ns.max_request_body_bytes,
+        header_timeout=ns.header_timeout, chat_template_timeout=ns.chat_template_timeout,
     )

@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields.
 
-Unknown fields are ignored, as by vLLM and OpenAI, so newer clients keep working. Range checks that
-SamplingParams already makes are left to it (one source of truth); the error reaches the client as a 400.
+Unknown fields are ignored, as by vLLM and OpenAI, so newer clients keep working. Types are strict (a JSON
+true is not a number, "yes" is not a boolean, 1.0 is not an integer), floats must be finite, and every
+string anywhere in a body must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
+Range checks and the operator's limits (--max-n, --max-logprobs) are SamplingParams' (one source of truth,
+shared with the library); the error reaches the client as a 400 before the request reaches the engine.
 Responses are built as plain dicts in the serving modules: the hot streaming path stays cheap.
 """
 
@@ -9,16 +12,51 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sampling_params import RequestOutputKind
 
-# vLLM's --max-logprobs default: how many alternatives a request may ask for.
-MAX_LOGPROBS = 20
+# Deeper JSON than this is no request of ours (and would only cost the validators' recursion).
+MAX_NESTING = 32
+
+
+def find_invalid_text(value, path: str = "", depth: int = 0) -> str | None:
+    """The path of the first string (or object key) that is not valid Unicode, or that nests too deep."""
+    if depth > MAX_NESTING:
+        return path or "body"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and find_invalid_text(k, where, depth + 1):
+                return (path or "body") + ".<key>"
+            found = find_invalid_text(v, where, depth + 1)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = find_invalid_text(v, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+    return None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        where = find_invalid_text(data)
+        if where is not None:
+            raise ValueError(f"{where}: text must be valid UTF-8 (no lone surrogates) and nest at most "
+                             f"{MAX_NESTING} levels.")
+        return data
 
 
 class StreamOptions(_Request):
@@ -94,8 +132,6 @@ class _SamplingFields(_Request):
             raise ValueError("use_beam_search is not supported.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
 
@@ -112,8 +148,8 @@ class CompletionRequest(_SamplingFields):
         self.check_common()
         if self.suffix:
             raise ValueError("suffix is not supported.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}.")
 
 
 class ChatMessage(_Request):
@@ -144,8 +180,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
+            if self.top_logprobs < 0:
+                raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
         if self.tools and self.tool_choice != "none":
             raise ValueError("Tool calling is not supported yet.")
         if self.response_format and self.response_format.get("type", "text") != "text":

@@ -7,8 +7,10 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError
 from kvserve.entrypoints.openai.errors import APIError
@@ -18,6 +20,10 @@ _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp to this
 
 
+# Tokenizing and detokenizing long texts runs here, off the event loop (the Rust tokenizer releases the GIL).
+_TEXT_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tokenize")
+
+
 class ServingBase:
     def __init__(self, engine: AsyncEngine, served_model_name: str, response_role: str = "assistant",
                  chat_template: str | None = None):
@@ -25,6 +31,34 @@ class ServingBase:
         self.served_model_name = served_model_name
         self.response_role = response_role
         self.chat_template = chat_template
+        self._max_token_bytes: int | None = None
+
+    # ---- text work, off the event loop -----------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of `text`, tokenized on a worker thread. A text so long that it cannot fit the context
+        whatever its tokens (each token covers at most the vocabulary's longest token in bytes) is refused
+        before it costs any tokenizer time."""
+        tokenizer = self.require_tokenizer("A text prompt")
+        num_bytes = len(text.encode("utf-8"))
+        longest = self._longest_token_bytes(tokenizer)
+        if num_bytes > self.max_model_len * longest:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the text has {num_bytes} "
+                f"bytes, more than that many tokens can hold. Please shorten it.", 400, param)
+        return await asyncio.get_running_loop().run_in_executor(
+            _TEXT_POOL, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.require_tokenizer("Detokenizing")
+        return await asyncio.get_running_loop().run_in_executor(_TEXT_POOL, tokenizer.decode, token_ids)
+
+    def _longest_token_bytes(self, tokenizer) -> int:
+        if self._max_token_bytes is None:
+            try:
+                self._max_token_bytes = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab()) + 8
+            except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: no early refusal
+                self._max_token_bytes = 1 << 30
+        return self._max_token_bytes
 
     # ---- checks ----------------------------------------------------------------------------------
     @property
@@ -45,7 +79,7 @@ class ServingBase:
         try:
             req.check()
         except ValueError as e:
-            raise APIError(str(e), 400) from None
+            raise APIError(str(e), 400, _param_of(str(e))) from None
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -70,17 +104,19 @@ class ServingBase:
                 f"Please reduce the length of the messages or completion.", 400, "max_tokens")
         return max_tokens
 
-    def check_token_ids(self, ids: list[int]) -> None:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         vocab = self.engine.config.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise APIError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).", 400, "prompt")
+            raise APIError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).", 400, param)
         if not ids:
-            raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
+            raise APIError("The prompt is empty: give at least one token.", 400, param)
 
-    @staticmethod
-    def sampling_params(fields: dict) -> SamplingParams:
-        """Passes every field by name; one SamplingParams does not know yet is refused only if it is set."""
+    def sampling_params(self, fields: dict, renamed: dict[str, str] | None = None) -> SamplingParams:
+        """Passes every field by name; one SamplingParams does not know yet is refused only if it is set.
+        The request is checked against the model and the operator's limits here, before the engine sees
+        it (the engine runs the same check for the library's callers). `renamed`: API field names for
+        SamplingParams' (chat's top_logprobs is SamplingParams' logprobs)."""
         known = {}
         for name, value in fields.items():
             spec = _SAMPLING_FIELDS.get(name)
@@ -88,33 +124,32 @@ class ServingBase:
                 known[name] = value
             elif value not in (None, False, 0, [], {}):
                 raise APIError(f"{name} is not supported yet.", 400, name)
+        config = self.engine.config
         try:
-            return SamplingParams(**known)
+            params = SamplingParams(**known)
+            params.verify_for_model(config.model_config.vocab_size, config.args.max_logprobs, config.args.max_n)
+            return params
         except (ValueError, TypeError) as e:
             message = str(e)
-            param = message.split(" ", 1)[0]
-            raise APIError(message, 400, param if param in _SAMPLING_FIELDS else None) from None
+            param = _param_of(message)
+            if param in (renamed or {}):
+                param = renamed[param]
+                message = param + message[message.index(" "):]
+            raise APIError(message, 400, param) from None
 
     # ---- running requests ------------------------------------------------------------------------
-    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]]):
-        """Adds every (request_id, prompt, params); all or nothing, and engine rejections become 400s."""
-        streams = []
+    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]], raw: Request | None = None):
+        """Adds every (request_id, prompt, params) as one batch; all or nothing, and engine rejections become
+        400s. With `raw`, a client that leaves while they are being admitted has them all aborted."""
+        work = self.engine.add_requests(items)
         try:
-            for request_id, prompt, params in items:
-                streams.append(await self.engine.add_request(prompt, params, request_id))
+            if raw is None:
+                return await work
+            return await until_disconnect(raw, work, lambda: None)  # add_requests aborts on cancellation
         except ValueError as e:
-            for s in streams:
-                self.engine.abort(s.request_id)
             raise APIError(str(e), 400) from None
-        except EngineNotReadyError as e:
-            for s in streams:
-                self.engine.abort(s.request_id)
-            raise APIError(str(e), 503) from None
-        except BaseException:
-            for s in streams:
-                self.engine.abort(s.request_id)
-            raise
-        return streams
+        except (EngineNotReadyError, EngineFailedError) as e:
+            raise engine_error(e) from None
 
     def abort_all(self, streams) -> None:
         for s in streams:
@@ -176,12 +211,33 @@ async def until_disconnect(raw: Request, work: Awaitable, on_disconnect) -> obje
     return task.result()
 
 
+def _param_of(message: str) -> str | None:
+    """Validation messages start with the field they are about ("n must be at most 128...")."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    return first if first.replace("_", "").isalpha() and first.islower() else None
+
+
 def engine_error(e: BaseException) -> APIError:
     if isinstance(e, EngineNotReadyError):
         return APIError(str(e), 503)
     if isinstance(e, EngineFailedError):
         return APIError(str(e), 500)
     return APIError(f"{type(e).__name__}: {e}", 500)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that calls `on_close` however it ends (the last event sent, the client gone, a write
+    that failed, a cancelled task), so the requests behind it are aborted at once, never left running."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def sse(obj) -> str:

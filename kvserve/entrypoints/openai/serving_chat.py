@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from kvserve.entrypoints.openai.chat_renderer import ChatTemplateRenderer
 from kvserve.entrypoints.openai.errors import APIError, sse_error
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.entrypoints.openai.serving_base import (
     SSE_DONE,
+    EventStreamResponse,
     ServingBase,
     chat_logprobs,
     engine_error,
@@ -19,6 +24,8 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnect,
     usage,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -29,9 +36,12 @@ def _message_dict(m: ChatMessage) -> dict:
         texts = []
         for part in content:
             if part.get("type") != "text":
-                raise APIError(f"Content parts of type {part.get('type')!r} are not supported; only text.", 400,
-                               "messages")
-            texts.append(str(part.get("text", "")))
+                raise APIError(f"Content parts of type {str(part.get('type'))[:40]!r} are not supported; only text.",
+                               400, "messages")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise APIError("The text of a content part must be a string.", 400, "messages")
+            texts.append(text)
         d["content"] = "\n".join(texts)
     elif content is None:
         d["content"] = ""
@@ -39,18 +49,54 @@ def _message_dict(m: ChatMessage) -> dict:
 
 
 class ServingChat(ServingBase):
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                    chat_template: str | None, chat_template_kwargs: dict | None) -> str:
+    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs):
+        limits = {k: kwargs.pop(k) for k in ("timeout_s", "max_output_chars") if k in kwargs}
+        super().__init__(*args, **kwargs)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.renderer: ChatTemplateRenderer | None = None  # started once the tokenizer is loaded
+        self._renderer_lock = threading.Lock()
+        self._renderer_limits = limits  # ChatTemplateRenderer's time and size limits
+        self._renderer_failed = False
+
+    def start_renderer(self) -> None:
+        """Starts the render worker (the server calls this once the tokenizer is loaded, off the loop)."""
+        with self._renderer_lock:
+            if self.tokenizer is not None and self.renderer is None and not self._renderer_failed:
+                try:
+                    self.renderer = ChatTemplateRenderer(self.tokenizer, **self._renderer_limits)
+                except Exception:  # e.g. a tokenizer that cannot be pickled: render on a thread instead
+                    logger.exception("Could not start the chat template worker; templates render on a thread, "
+                                     "without a time limit.")
+                    self._renderer_failed = True
+
+    def close(self) -> None:
+        if self.renderer is not None:
+            self.renderer.close()
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None,
+                          chat_template_kwargs: dict | None) -> str:
         tokenizer = self.require_tokenizer("Chat")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise APIError("A chat_template in the request is refused: the server runs without "
+                           "--trust-request-chat-template.", 400, "chat_template")
         template = chat_template or self.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise APIError("This model's tokenizer has no chat template; start the server with --chat-template.", 400)
+        kwargs = dict(chat_template_kwargs or {})
+        for name in ("tokenize", "chat_template", "add_generation_prompt", "continue_final_message", "return_dict"):
+            if name in kwargs:
+                raise APIError(f"chat_template_kwargs may not set {name}.", 400, "chat_template_kwargs")
+        kwargs.update(chat_template=template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message)
+        conversation = [_message_dict(m) for m in messages]
+        if self.renderer is None:  # a request that beat the start-up hook
+            await asyncio.get_running_loop().run_in_executor(None, self.start_renderer)
         try:
-            return tokenizer.apply_chat_template(
-                [_message_dict(m) for m in messages], chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
+            if self.renderer is None:
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
+            return await self.renderer.render(conversation, **kwargs)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - a template refusing the messages is the client's error
@@ -58,17 +104,17 @@ class ServingChat(ServingBase):
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_request(req)
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template, req.chat_template_kwargs)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        text = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template, req.chat_template_kwargs)
+        token_ids = await self.encode(text, req.add_special_tokens, "messages")
         max_tokens = self.max_tokens_for(len(token_ids), req.requested_max_tokens)
-        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs))
+        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs), {"logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
-        streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)])
+        streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)], raw)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, created, len(token_ids), streams[0]),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(req, request_id, created, len(token_ids), streams[0]),
+                                       lambda: self.abort_all(streams))
         result = await until_disconnect(raw, self._collect(req, streams[0]), lambda: self.abort_all(streams))
         return JSONResponse(self._response(req, request_id, created, len(token_ids), *result))
 

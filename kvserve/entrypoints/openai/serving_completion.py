@@ -6,12 +6,13 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvserve.entrypoints.openai.errors import APIError, sse_error
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_base import (
     SSE_DONE,
+    EventStreamResponse,
     ServingBase,
     completion_logprobs,
     engine_error,
@@ -45,7 +46,7 @@ class _Prompt:
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_request(req)
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         items = []
         for i, p in enumerate(prompts):
@@ -55,15 +56,15 @@ class ServingCompletion(ServingBase):
                 fields["prompt_logprobs"] = req.logprobs
             params = self.sampling_params(fields)
             items.append((f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
-        streams = await self.add_requests(items)
+        streams = await self.add_requests(items, raw)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, created, prompts, streams),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(req, request_id, created, prompts, streams),
+                                       lambda: self.abort_all(streams))
         await until_disconnect(raw, self._collect(req, prompts, streams), lambda: self.abort_all(streams))
         return JSONResponse(self._response(req, request_id, created, prompts))
 
-    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         raw = req.prompt
         if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -72,12 +73,11 @@ class ServingCompletion(ServingBase):
         prompts = []
         for p in raw:
             if isinstance(p, str):
-                tokenizer = self.require_tokenizer("A text prompt")
-                ids = tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                ids = await self.encode(p, req.add_special_tokens)
                 prompts.append(_Prompt(p, ids))
             else:
                 self.check_token_ids(p)
-                text = self.tokenizer.decode(p) if self.tokenizer is not None and req.echo else None
+                text = await self.decode(p) if self.tokenizer is not None and req.echo else None
                 prompts.append(_Prompt(text, list(p)))
             if not prompts[-1].token_ids:
                 raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
