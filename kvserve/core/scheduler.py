@@ -314,11 +314,14 @@ class Scheduler:
     def roll_back_running(self) -> None:
         """After a failed step: every running request recomputes from its prompt and the tokens it has (what
         the step had scheduled for it, and any token still in flight, is forgotten)."""
-        for req in list(self.running):
+        # Always recompute, never swap: the failed forward may have left the K/V half written. Not a
+        # preemption (no memory pressure), so no counter moves.
+        for req in reversed(self.running):
             req.num_pending_outputs = 0
-            self._preempt(req)
-            self.num_preemptions -= 1  # not memory pressure: keep the counter honest
-            req.num_preemptions -= 1
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
         self.running.clear()
         for req in self.waiting:
             req.num_pending_outputs = 0
