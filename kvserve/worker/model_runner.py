@@ -77,6 +77,10 @@ class ModelRunner:
             max_positions=config.max_model_len,
             seed=config.args.seed,
         )
+        if self.device.type == "cpu":
+            from kvserve.ops.cpu_gemm import pack_cpu_linears
+
+            pack_cpu_linears(self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
