@@ -141,7 +141,8 @@ class TorchAttentionBackend:
             return self._decode(q, key_cache, value_cache, plan, scale).squeeze(1)
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
-            out[plan.decode_tokens] = self._decode(q[plan.decode_tokens], key_cache, value_cache, plan, scale).squeeze(1)
+            decoded = self._decode(q[plan.decode_tokens], key_cache, value_cache, plan, scale)
+            out[plan.decode_tokens] = decoded.squeeze(1)
         heads, head_dim = q.shape[1:]
         kv_heads = k.shape[1]
         for start, n, length in plan.fresh_runs:
