@@ -321,6 +321,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        self._step_positions: torch.Tensor | None = None
+        self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path)."""
@@ -328,15 +330,19 @@ class RotaryEmbedding(nn.Module):
             from kvserve.ops.fused_kernels import apply_rotary_
 
             return apply_rotary_(positions, q, k, self.cos_cached, self.sin_cached)
-        cos = self.cos_cached[positions].unsqueeze(1)
-        sin = self.sin_cached[positions].unsqueeze(1)
+        # Every layer of a step gets the same positions tensor: look cos/sin up once per step.
+        if self._step_positions is not positions:
+            cos = self.cos_cached[positions].unsqueeze(1)
+            sin = self.sin_cached[positions].unsqueeze(1)
+            self._step_cos_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            self._step_positions = positions
+        cos, sin = self._step_cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Same op order and dtypes as HF (cos/sin cast to x's dtype), so bf16 results round alike.
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,4 +1,12 @@
-"""Reference paged attention in plain torch: the CPU path and the oracle for the Triton kernels."""
+"""Paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
+
+`reference_attention` is the readable definition (one request at a time, every context read back from
+the cache). `TorchAttentionBackend` computes the same thing with few, large tensor ops: the step's shape
+(which requests decode, which prefill from scratch, every gather index and mask) is worked out once per
+step in a `StepPlan` and reused by all layers, decodes run as one padded SDPA call, and prompts without
+cached context attend to the step's own K/V with a causal SDPA, consecutive equal-length prompts in one
+batched call. tests/test_torch_attention.py checks the two agree.
+"""
 
 from __future__ import annotations
 
@@ -24,39 +32,134 @@ def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: 
     return kv_cache[0][tables].reshape(shape)[:, :seq_len], kv_cache[1][tables].reshape(shape)[:, :seq_len]
 
 
-def _sdpa(q, k, v, mask, scale):
-    """q [B, Tq, H, D], k/v [B, S, Hkv, D], mask [B, 1, Tq, S] bool."""
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    """q [B, Tq, H, D], k/v [B, S, Hkv, D], mask [B, 1, Tq, S] bool or None."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
 
+def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The definition: write the step's K/V, then each request's queries attend causally to its whole
+    context as read back from the cache (query j of a request sits at position seq_len - q_len + j)."""
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    qsl = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len == 0:
+            continue
+        keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len)
+        query_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
+        mask = (torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None])[None, None]
+        out[qsl[i]:qsl[i + 1]] = _sdpa(q[qsl[i]:qsl[i + 1]].unsqueeze(0), keys, values, mask, scale)[0]
+    return out
+
+
+def _slot_indices(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[B, nb] block ids -> [B, length] flat cache slots of positions 0..length-1 (padding reads block 0)."""
+    nb = -(-length // block_size)
+    tables = block_tables[:, :nb].long()
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], nb * block_size)[:, :length]
+
+
+class StepPlan:
+    """Everything about one step's batch that does not depend on the layer: built once per step."""
+
+    def __init__(self, meta: AttentionMetadata, device: torch.device):
+        qsl = meta.query_start_loc_cpu.tolist()
+        seq_lens = meta.seq_lens_cpu.tolist()
+        bs = meta.block_size
+        num_reqs = len(seq_lens)
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
+        self.num_tokens = qsl[-1]
+
+        # Decodes: one query each, keys padded to the longest context, all in one SDPA call.
+        decodes = [i for i in range(num_reqs) if q_lens[i] == 1]
+        self.all_decode = len(decodes) == num_reqs and num_reqs > 0
+        self.decode_tokens = None
+        self.decode_slots = self.decode_mask = None
+        if decodes:
+            max_s = max(seq_lens[i] for i in decodes)
+            rows = torch.tensor(decodes, device=device)
+            self.decode_tokens = torch.tensor([qsl[i] for i in decodes], device=device)
+            self.decode_slots = _slot_indices(meta.block_tables[rows], max_s, bs).reshape(-1)
+            lens = [seq_lens[i] for i in decodes]
+            if min(lens) != max_s:
+                lens_t = torch.tensor(lens, device=device)
+                self.decode_mask = (torch.arange(max_s, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+            self.decode_shape = (len(decodes), max_s)
+
+        # Prompts with no cached context: causal attention over the step's own K/V; runs of consecutive
+        # requests with the same length go in one batched call.
+        self.fresh_runs: list[tuple[int, int, int]] = []  # (first token, requests, length)
+        # Prompt chunks after cached context (chunked prefill, prefix hits): read back from the cache.
+        self.context_chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (start, end, slots, mask)
+        for i in range(num_reqs):
+            q_len = q_lens[i]
+            if q_len <= 1:
+                continue
+            if seq_lens[i] == q_len:
+                last = self.fresh_runs[-1] if self.fresh_runs else None
+                if last is not None and last[2] == q_len and last[0] + last[1] * q_len == qsl[i]:
+                    self.fresh_runs[-1] = (last[0], last[1] + 1, q_len)
+                else:
+                    self.fresh_runs.append((qsl[i], 1, q_len))
+            else:
+                s = seq_lens[i]
+                slots = _slot_indices(meta.block_tables[i:i + 1], s, bs).reshape(-1)
+                query_pos = s - q_len + torch.arange(q_len, device=device)
+                mask = (torch.arange(s, device=device)[None, :] <= query_pos[:, None])[None, None]
+                self.context_chunks.append((qsl[i], qsl[i + 1], slots, mask))
+
+
 class TorchAttentionBackend:
+    def __init__(self):
+        self._plan: StepPlan | None = None
+        self._plan_meta: AttentionMetadata | None = None
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> StepPlan:
+        # The same metadata object reaches every layer of a step: plan on the first, reuse after.
+        if self._plan_meta is not meta:
+            self._plan = StepPlan(meta, device)
+            self._plan_meta = meta
+        return self._plan
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # Every K/V write of the layer happens before any read, so a request may read blocks that
         # another request of the same step is filling (prefix hits published this step).
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        qsl = meta.query_start_loc_cpu.tolist()
-        seq_lens = meta.seq_lens_cpu.tolist()
+        plan = self.plan(meta, q.device)
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        key_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
+        value_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+        if plan.all_decode and q.shape[0] == plan.num_tokens:
+            return self._decode(q, key_cache, value_cache, plan, scale).squeeze(1)
         out = torch.empty_like(q)
-        decodes = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:
-            # All single-token queries at once, keys padded to the longest context.
-            idx = torch.tensor(decodes, device=q.device)
-            max_s = max(seq_lens[i] for i in decodes)
-            keys, values = gather_context(kv_cache, meta.block_tables[idx], max_s)
-            lens = torch.tensor([seq_lens[i] for i in decodes], device=q.device)
-            mask = (torch.arange(max_s, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-            tok = torch.tensor([qsl[i] for i in decodes], device=q.device)
-            out[tok] = _sdpa(q[tok].unsqueeze(1), keys, values, mask, scale).squeeze(1)
-        for i in range(len(seq_lens)):
-            q_len = qsl[i + 1] - qsl[i]
-            if q_len <= 1:
-                continue
-            keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_lens[i])
-            query_pos = seq_lens[i] - q_len + torch.arange(q_len, device=q.device)
-            mask = (torch.arange(seq_lens[i], device=q.device)[None, :] <= query_pos[:, None])[None, None]
-            out[qsl[i]:qsl[i + 1]] = _sdpa(q[qsl[i]:qsl[i + 1]].unsqueeze(0), keys, values, mask, scale)[0]
+        if plan.decode_tokens is not None:
+            decoded = self._decode(q[plan.decode_tokens], key_cache, value_cache, plan, scale)
+            out[plan.decode_tokens] = decoded.squeeze(1)
+        heads, head_dim = q.shape[1:]
+        kv_heads = k.shape[1]
+        for start, n, length in plan.fresh_runs:
+            end = start + n * length
+            out[start:end] = _sdpa(
+                q[start:end].view(n, length, heads, head_dim), k[start:end].view(n, length, kv_heads, head_dim),
+                v[start:end].view(n, length, kv_heads, head_dim), None, scale, is_causal=True,
+            ).reshape(end - start, heads, head_dim)
+        for start, end, slots, mask in plan.context_chunks:
+            keys = key_cache.index_select(0, slots).unsqueeze(0)
+            values = value_cache.index_select(0, slots).unsqueeze(0)
+            out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys, values, mask, scale)[0]
         return out
+
+    @staticmethod
+    def _decode(q, key_cache, value_cache, plan: StepPlan, scale: float) -> torch.Tensor:
+        b, s = plan.decode_shape
+        keys = key_cache.index_select(0, plan.decode_slots).view(b, s, *key_cache.shape[1:])
+        values = value_cache.index_select(0, plan.decode_slots).view(b, s, *value_cache.shape[1:])
+        return _sdpa(q.unsqueeze(1), keys, values, plan.decode_mask, scale)

@@ -81,6 +81,10 @@ class ModelRunner:
             seed=config.args.seed,
             layer_range=layer_range,
         )
+        if self.device.type == "cpu":
+            from kvserve.ops.cpu_gemm import pack_cpu_linears
+
+            pack_cpu_linears(self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host

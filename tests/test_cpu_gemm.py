@@ -1,0 +1,105 @@
+"""oneDNN packed fp32 linears (the CPU GEMM path) against F.linear, and which layers get switched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.layers import LinearBase, MergedColumnLinear, RowParallelLinear
+from kvserve.ops import cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_linear_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 32, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(rows, 40, generator=g)
+    out = cpu_gemm.PackedLinearWeight(w).linear(x, b)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_non_contiguous_and_3d_inputs():
+    w = torch.randn(24, 16)
+    packed = cpu_gemm.PackedLinearWeight(w)
+    x = torch.randn(16, 10)[:, :8].t()  # [8, 16], not contiguous
+    torch.testing.assert_close(packed.linear(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+class _AllReduceLike(RowParallelLinear):
+    """A layer whose forward does more than the GEMM (as a tensor-parallel one would): never replaced."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _FakeQuantMethod:
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias) + 1
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MergedColumnLinear(16, [8, 8], bias=True), RowParallelLinear(16, 16),
+                                _AllReduceLike(16, 16))
+    for m in model:
+        m.weight.data.normal_()
+        if m.bias is not None:
+            m.bias.data.normal_()
+    return model
+
+
+def test_pack_cpu_linears_switches_plain_layers_and_keeps_outputs(monkeypatch):
+    monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
+    model = _model()
+    x = torch.randn(5, 16)
+    before = model(x)
+    assert cpu_gemm.pack_cpu_linears(model) == 2
+    assert hasattr(model[0], "packed_weight") and hasattr(model[1], "packed_weight")
+    assert not hasattr(model[2], "packed_weight")
+    torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-5)
+
+
+def test_layers_with_a_linear_method(monkeypatch):
+    """The quant-method hook shape: an unquantized method is swapped for the packed one (the layer's forward
+    stays), any other method is left alone."""
+    monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
+
+    class UnquantizedLinearMethod:
+        def apply(self, layer, x, bias=None):
+            return F.linear(x, layer.weight, bias)
+
+    class HookLinear(LinearBase):
+        def forward(self, x):
+            return self.quant_method.apply(self, x, self.bias)
+
+    plain, quant = HookLinear(16, 8, bias=True), HookLinear(16, 8)
+    plain.quant_method, quant.quant_method = UnquantizedLinearMethod(), _FakeQuantMethod()
+    for m in (plain, quant):
+        m.weight.data.normal_()
+    plain.bias.data.normal_()
+    x = torch.randn(4, 16)
+    want_plain, want_quant = plain(x), quant(x)
+    assert cpu_gemm.pack_cpu_linears(torch.nn.Sequential(plain, quant)) == 1
+    assert isinstance(plain.quant_method, cpu_gemm.PackedUnquantizedMethod)
+    assert isinstance(quant.quant_method, _FakeQuantMethod)
+    torch.testing.assert_close(plain(x), want_plain, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(quant(x), want_quant)
+
+
+def test_switch_off_by_environment(monkeypatch):
+    monkeypatch.setenv("KVSERVE_CPU_ONEDNN", "0")
+    model = _model()
+    assert cpu_gemm.pack_cpu_linears(model) == 0
+    assert not any(hasattr(m, "packed_weight") for m in model)
+
+
+def test_non_fp32_layers_are_left_alone(monkeypatch):
+    monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
+    model = _model().to(torch.bfloat16)
+    assert cpu_gemm.pack_cpu_linears(model) == 0
