@@ -92,7 +92,7 @@ def main():
         "greedy_outputs_identical": f"{same}/{len(reqs)}",
     }
     print(json.dumps(result))
-    print(f"\n| engine | time (s) | output tok/s |\n|---|---|---|")
+    print("\n| engine | time (s) | output tok/s |\n|---|---|---|")
     print(f"| kvserve | {kv_t:.2f} | {kv_n / kv_t:.1f} |")
     print(f"| HF generate (batch {args.hf_batch_size}) | {hf_t:.2f} | {hf_n / hf_t:.1f} |")
     print(f"ratio kvserve / HF: {result['ratio']}x on {machine}; identical greedy outputs: {same}/{len(reqs)}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers import LinearBase, MergedColumnLinear, RowParallelLinear
+from kvserve.model.layers import MergedColumnLinear, RowParallelLinear
 from kvserve.ops import cpu_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_linear_available(), reason="torch built without oneDNN")
@@ -32,7 +32,7 @@ def test_non_contiguous_and_3d_inputs():
 
 
 class _AllReduceLike(RowParallelLinear):
-    """A layer whose forward does more than the GEMM (as a tensor-parallel one would): never replaced."""
+    """A layer whose forward does more than the GEMM: only its method is swapped, its forward stays."""
 
     def forward(self, x):
         return super().forward(x) * 2
@@ -59,27 +59,18 @@ def test_pack_cpu_linears_switches_plain_layers_and_keeps_outputs(monkeypatch):
     model = _model()
     x = torch.randn(5, 16)
     before = model(x)
-    assert cpu_gemm.pack_cpu_linears(model) == 2
-    assert hasattr(model[0], "packed_weight") and hasattr(model[1], "packed_weight")
-    assert not hasattr(model[2], "packed_weight")
+    # Every layer's unquantized method is swapped; a layer whose forward does more keeps that forward.
+    assert cpu_gemm.pack_cpu_linears(model) == 3
+    assert all(hasattr(m, "packed_weight") for m in model)
     torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-5)
 
 
 def test_layers_with_a_linear_method(monkeypatch):
-    """The quant-method hook shape: an unquantized method is swapped for the packed one (the layer's forward
-    stays), any other method is left alone."""
+    """The quant-method hook: an unquantized method is swapped for the packed one, any other method is left
+    alone."""
     monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
-
-    class UnquantizedLinearMethod:
-        def apply(self, layer, x, bias=None):
-            return F.linear(x, layer.weight, bias)
-
-    class HookLinear(LinearBase):
-        def forward(self, x):
-            return self.quant_method.apply(self, x, self.bias)
-
-    plain, quant = HookLinear(16, 8, bias=True), HookLinear(16, 8)
-    plain.quant_method, quant.quant_method = UnquantizedLinearMethod(), _FakeQuantMethod()
+    plain, quant = RowParallelLinear(16, 8, bias=True), RowParallelLinear(16, 8)
+    quant.quant_method = _FakeQuantMethod()
     for m in (plain, quant):
         m.weight.data.normal_()
     plain.bias.data.normal_()

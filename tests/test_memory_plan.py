@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve import LLM
 from kvserve.config import EngineArgs

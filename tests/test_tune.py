@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from kvserve.bench import tune
 from kvserve.entrypoints.cli import main

@@ -11,7 +11,6 @@ KVSERVE_CPU_ONEDNN=0 turns it off (plain F.linear), e.g. to compare the two in o
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 from torch import nn
@@ -64,33 +63,21 @@ class PackedUnquantizedMethod:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    out = self.packed_weight.linear(x, self.bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Route every plain fp32 CPU linear layer of `model` through oneDNN (weights packed now, after loading).
-    Quantized layers and layers whose forward does more than the GEMM are left alone. Returns how many
-    layers were switched (0 when disabled or unavailable)."""
+    """Route every fp32 CPU linear layer with an UnquantizedLinearMethod through oneDNN (weights packed now,
+    after loading). The method is swapped, not the layer's forward, so a tensor-parallel layer's all-reduce
+    stays; quantized layers keep their own kernels. Returns how many layers were switched (0 when disabled
+    or unavailable)."""
     from kvserve.model.layers import LinearBase
+    from kvserve.model.linear_method import UnquantizedLinearMethod
 
     if not enabled():
         return 0
     count = 0
     for module in model.modules():
-        if not isinstance(module, LinearBase) or not _fp32_cpu_weight(module):
-            continue
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            if type(method).__name__ != "UnquantizedLinearMethod":
-                continue  # quantized layers keep their own kernels
+        if (isinstance(module, LinearBase) and _fp32_cpu_weight(module)
+                and isinstance(module.quant_method, UnquantizedLinearMethod)):
             module.packed_weight = PackedLinearWeight(module.weight)
-            module.quant_method = PackedUnquantizedMethod(method)
-        elif type(module).forward is LinearBase.forward:  # forward is exactly the GEMM: replace it
-            module.packed_weight = PackedLinearWeight(module.weight)
-            module.forward = types.MethodType(_packed_forward, module)
-        else:
-            continue
-        count += 1
+            module.quant_method = PackedUnquantizedMethod(module.quant_method)
+            count += 1
     return count
