@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.linear_method import UnquantizedLinearMethod, new_param
+
 
 # Fused Triton kernels run on CUDA, and on the CPU under Triton's interpreter (how CI tests them).
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,22 +22,68 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b). World size 1 today; column/row parallel variants shard `weight` here later."""
+    """y = x W^T (+ b). The weight's parameters come from the layer's quant_method (unquantized, fp8,
+    int4, ...); world size 1 today: column/row parallel variants shard them here later.
+    `prefix` is the layer's checkpoint name (without "model."), so a quantization config can skip layers."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant_config=None,
+                 prefix: str = "", output_partition_sizes: list[int] | None = None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.output_partition_sizes = list(output_partition_sizes or [out_features])
+        self.prefix = prefix
+        self.params_dtype = torch.get_default_dtype()
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, in_features, self.output_partition_sizes, in_features,
+                                         out_features, self.params_dtype)
+        if bias:
+            self.bias = new_param((out_features,), self.params_dtype, output_dim=0)
+        else:
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def _shard_target(self, param: nn.Parameter, shard_id: int | None) -> torch.Tensor:
+        """The region of `param` that checkpoint shard `shard_id` (of a merged layer) fills."""
+        if shard_id is None:
+            return param.data
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            # Per-tensor values: one slot per merged part when the method made room for it, else shared.
+            if param.dim() == 1 and param.shape[0] == len(self.output_partition_sizes) > 1:
+                return param.data[shard_id:shard_id + 1]
+            return param.data
+        offset = sum(self.output_partition_sizes[:shard_id])
+        size = self.output_partition_sizes[shard_id]
+        if getattr(param, "packed_dim", None) == output_dim:
+            offset //= param.pack_factor
+            size //= param.pack_factor
+        return param.data.narrow(output_dim, offset, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.shape != loaded.shape:
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
-        param.data.copy_(loaded)
+        target = self._shard_target(param, shard_id)
+        if target.numel() == 1 and loaded.numel() == 1:
+            loaded = loaded.reshape(target.shape)
+        if target.shape != loaded.shape:
+            where = "" if shard_id is None else f" (shard {shard_id})"
+            raise ValueError(f"{self.prefix or type(self).__name__}: checkpoint tensor of shape {tuple(loaded.shape)} "
+                             f"does not match parameter {tuple(target.shape)}{where}")
+        target.copy_(_checkpoint_tensor_as(loaded, target.dtype, self.prefix))
+
+
+_SERVING_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _checkpoint_tensor_as(loaded: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Float weights go to the serving dtype; quantized tensors (packed int32, fp8) are taken as they
+    are: a cast would destroy them, so a dtype mismatch there is a corrupt or mislabelled checkpoint."""
+    if loaded.dtype == dtype or (loaded.dtype in _SERVING_FLOATS and dtype in _SERVING_FLOATS):
+        return loaded.to(dtype)
+    raise ValueError(f"{name}: checkpoint tensor has dtype {loaded.dtype}, but the layer's quantization "
+                     f"method expects {dtype}; is --quantization right for this checkpoint?")
 
 
 class ColumnParallelLinear(LinearBase):
@@ -49,24 +97,19 @@ class RowParallelLinear(LinearBase):
 class MergedColumnLinear(LinearBase):
     """Several projections of the same input in one GEMM (gate+up); shard_id = index of the part."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(part_sizes), bias)
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, quant_config=None,
+                 prefix: str = ""):
+        super().__init__(in_features, sum(part_sizes), bias, quant_config, prefix, output_partition_sizes=part_sizes)
         self.part_sizes = list(part_sizes)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        offset = sum(self.part_sizes[:shard_id])
-        size = self.part_sizes[shard_id]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"shard {shard_id}: shape {tuple(loaded.shape)} != {tuple(target.shape)}")
-        target.copy_(loaded)
 
 
 class QKVLinear(MergedColumnLinear):
     _SHARDS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant_config=None, prefix: str = ""):
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
+                         quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         super().weight_loader(param, loaded, self._SHARDS[shard_id])

@@ -28,7 +28,8 @@ from kvserve.ops.attention_metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
+                 prefix: str = ""):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -36,8 +37,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, cfg.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, cfg.attention_bias,
+                                  quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -60,11 +63,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                               quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -77,10 +82,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
+                 prefix: str = ""):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -105,12 +111,14 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, quant_config=None):
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend, quant_config, f"layers.{i}") for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -151,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             with torch.no_grad():
-                owner.weight_loader(param, tensor.to(param.dtype), shard)
+                owner.weight_loader(param, tensor, shard)
             loaded.add(name)
         return loaded
 

@@ -38,7 +38,35 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
             param.data.fill_(1.0)
             continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.uniform_(-1e-2, 1e-2, generator=gen)
+        if not param.is_floating_point() or param.element_size() == 1:
+            _fill_dummy_quantized(name, param, gen)
+        elif name.endswith("scales") or name.endswith("weight_scale"):
+            # Dequantized weights of about the same +-1e-2 as the float dummy: int values reach +-8
+            # (4-bit) and fp8 values +-448.
+            param.data.fill_(1e-2 / (448 if name.endswith("weight_scale") else 8))
+        else:
+            param.data.uniform_(-1e-2, 1e-2, generator=gen)
+
+
+def _fill_dummy_quantized(name: str, param: torch.nn.Parameter, gen: torch.Generator) -> None:
+    """Packed int weights: random bit patterns (uniform 4/8-bit values); int zero points: all fields 8 or
+    128 for 4/8-bit (mid-range, so weights are centred); g_idx is left as created; fp8: uniform values.
+    Scales come out of the float branch at 1e-2-ish, which with int values of +-8 keeps the weights small."""
+    if name.endswith("g_idx"):
+        return
+    if name.endswith("qzeros"):
+        bits = 32 // param.pack_factor
+        mid = 1 << (bits - 1)
+        word = 0
+        for i in range(param.pack_factor):
+            word |= mid << (i * bits)
+        param.data.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+        return
+    if param.dtype == torch.int32:
+        param.data.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, param.shape, generator=gen, device=param.device,
+                                       dtype=torch.int64).to(torch.int32))
+        return
+    param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(-448, 448, generator=gen).to(param.dtype))
 
 
 def load_model(
@@ -50,17 +78,23 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int,
     seed: int = 0,
+    quant_config=None,
 ) -> torch.nn.Module:
     model_cls = MODEL_REGISTRY[cfg.architecture]
     torch_dtype = DTYPES[dtype]
-    with torch.device(device):
-        model = model_cls(cfg, backend, max_positions)
-    # Parameters in the serving dtype; rotary caches stay fp32 (HF computes cos/sin in fp32 too).
-    for param in model.parameters():
-        param.data = param.data.to(torch_dtype)
+    # Float parameters are created in the serving dtype; a quantization method picks its own dtypes
+    # (int32 packed, fp8) and the loader never casts those. Rotary caches are fp32 explicitly (as HF's).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg, backend, max_positions, quant_config=quant_config)
+    finally:
+        torch.set_default_dtype(previous)
 
     if load_format == "dummy":
         _fill_dummy(model, seed)
+        _process_weights_after_loading(model)
         return model.eval()
     if load_format == "gguf" or (load_format == "auto" and model_path.suffix == ".gguf"):
         from kvserve.model.gguf_loader import iter_gguf_weights
@@ -72,4 +106,19 @@ def load_model(
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint at {model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+    _process_weights_after_loading(model)
     return model.eval()
+
+
+def _process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Repacking, transposes, fp8 quantization of a float checkpoint: once every tensor is in."""
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Real bytes of the weights as served (packed int4 at half a byte per value, fp8 at one)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

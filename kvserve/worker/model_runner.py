@@ -76,6 +76,7 @@ class ModelRunner:
             self.backend,
             max_positions=config.max_model_len,
             seed=config.args.seed,
+            quant_config=config.quant_config,
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
