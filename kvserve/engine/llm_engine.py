@@ -21,7 +21,7 @@ from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
-from kvserve.model.loader import DTYPES
+from kvserve.model.loader import DTYPES, weight_bytes
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
@@ -65,6 +65,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
         logger.info("Loaded %s in %.1f s (%s, %s)", config.model_path, time.perf_counter() - t0, config.dtype, config.device)
+        self.weight_bytes = weight_bytes(self.runner.model)
+        logger.info("Model weights take %.4f GiB (quantization: %s)", self.weight_bytes / memory.GiB,
+                    config.quant_config.name if config.quant_config is not None else "none")
 
         bytes_per_block = self.runner.kv_bytes_per_block()
         if args.num_gpu_blocks_override is not None:

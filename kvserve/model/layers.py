@@ -69,8 +69,10 @@ class LinearBase(nn.Module):
             loaded = loaded.reshape(target.shape)
         if target.shape != loaded.shape:
             where = "" if shard_id is None else f" (shard {shard_id})"
+            hint = getattr(param, "format_hint", None)
             raise ValueError(f"{self.prefix or type(self).__name__}: checkpoint tensor of shape {tuple(loaded.shape)} "
-                             f"does not match parameter {tuple(target.shape)}{where}")
+                             f"does not match parameter {tuple(target.shape)}{where}"
+                             + (f"; expected layout {hint}" if hint else ""))
         target.copy_(_checkpoint_tensor_as(loaded, target.dtype, self.prefix))
 
 

@@ -56,7 +56,9 @@ def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
 
 def check_weights_fit(config: EngineConfig, free_bytes: int, total_bytes: int, dtype_bytes: int) -> None:
     """Before loading: a model whose weights alone exceed the budget fails with what to change."""
-    weights = config.model_config.num_params() * dtype_bytes
+    from kvserve.model.quantization import estimate_weight_bytes
+
+    weights = estimate_weight_bytes(config.model_config, dtype_bytes, config.quant_config)
     budget = total_bytes * config.args.gpu_memory_utilization - (total_bytes - free_bytes)
     if weights > budget:
         raise ValueError(

@@ -62,11 +62,11 @@ class AWQLinearMethod(LinearMethodBase):
             check_divisible("awq", layer.prefix, "output size", part, pack, f"{pack} values per int32")
         packed = dict(input_dim=0, output_dim=1, packed_dim=1, pack_factor=pack)
         layer.register_parameter("qweight", new_param((k, n // pack), torch.int32, **packed,
-                                                      layout="awq qweight: int32 [in, out/8]"))
+                                                      format_hint="awq qweight: int32 [in, out/8]"))
         layer.register_parameter("qzeros", new_param((k // g, n // pack), torch.int32, **packed,
-                                                     layout=f"awq qzeros: int32 [in/{g}, out/8]"))
+                                                     format_hint=f"awq qzeros: int32 [in/{g}, out/8]"))
         layer.register_parameter("scales", new_param((k // g, n), params_dtype, input_dim=0, output_dim=1,
-                                                     layout=f"awq scales: [in/{g}, out]"))
+                                                     format_hint=f"awq scales: [in/{g}, out]"))
 
     def process_weights_after_loading(self, layer):
         bits = self.cfg.bits

@@ -100,16 +100,16 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.register_parameter("weight", new_param((n, k), params_dtype, output_dim=0, input_dim=1))
             return
         layer.register_parameter("weight", new_param((n, k), FP8_DTYPE, output_dim=0, input_dim=1,
-                                                     layout="fp8 weight: float8_e4m3fn [out, in]"))
+                                                     format_hint="fp8 weight: float8_e4m3fn [out, in]"))
         parts = len(output_partition_sizes)
         if self.weight_strategy == "channel":
-            scale = new_param((n, 1), torch.float32, output_dim=0, layout="fp8 weight_scale: float32 [out, 1]")
+            scale = new_param((n, 1), torch.float32, output_dim=0, format_hint="fp8 weight_scale: float32 [out, 1]")
         else:
-            scale = new_param((parts,), torch.float32, layout="fp8 weight_scale: float32 scalar per tensor")
+            scale = new_param((parts,), torch.float32, format_hint="fp8 weight_scale: float32 scalar per tensor")
         scale.data.fill_(1.0)
         layer.register_parameter("weight_scale", scale)
         if self.static_input:
-            input_scale = new_param((parts,), torch.float32, layout="fp8 input_scale: float32 scalar per tensor")
+            input_scale = new_param((parts,), torch.float32, format_hint="fp8 input_scale: float32 scalar per tensor")
             input_scale.data.fill_(1.0)
             layer.register_parameter("input_scale", input_scale)
 

@@ -72,13 +72,13 @@ class GPTQLinearMethod(LinearMethodBase):
         groups = k // g if g > 0 else 1
         layer.register_parameter("qweight", new_param(
             (k // pack, n), torch.int32, input_dim=0, output_dim=1, packed_dim=0, pack_factor=pack,
-            layout=f"gptq {bits}-bit qweight: int32 [in/{pack}, out]"))
+            format_hint=f"gptq {bits}-bit qweight: int32 [in/{pack}, out]"))
         layer.register_parameter("qzeros", new_param(
             (groups, n // pack), torch.int32, input_dim=0, output_dim=1, packed_dim=1, pack_factor=pack,
-            layout=f"gptq {bits}-bit qzeros: int32 [groups, out/{pack}]"))
+            format_hint=f"gptq {bits}-bit qzeros: int32 [groups, out/{pack}]"))
         layer.register_parameter("scales", new_param((groups, n), params_dtype, input_dim=0, output_dim=1,
-                                                     layout="gptq scales: [groups, out]"))
-        layer.register_parameter("g_idx", new_param((k,), torch.int32, input_dim=0, layout="gptq g_idx: int32 [in]"))
+                                                     format_hint="gptq scales: [groups, out]"))
+        layer.register_parameter("g_idx", new_param((k,), torch.int32, input_dim=0, format_hint="gptq g_idx: int32 [in]"))
         layer.g_idx.data.copy_(torch.arange(k, dtype=torch.int32) // (g if g > 0 else k))
 
     def process_weights_after_loading(self, layer):
