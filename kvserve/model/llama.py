@@ -48,6 +48,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.backend = backend
+        # FP8 KV cache: K/V are stored as k / k_scale in e4m3. From the checkpoint when it has them, else 1.0,
+        # or computed from the first batch (--calculate-kv-scales); unused with a 16/32-bit cache.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
+        self.calculate_kv_scales = False
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -58,8 +63,18 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    # vLLM's rule: max |k| maps to 200 and max |v| to 100 (e4m3's largest value is 448), once.
+    K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_scale.copy_((k.abs().amax().float() / self.K_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+        self.v_scale.copy_((v.abs().amax().float() / self.V_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+        self.calculate_kv_scales = False
 
 
 class MLP(nn.Module):
@@ -147,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
+            if self._load_kv_scale(name, tensor):
+                continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             shard = None
@@ -162,6 +179,22 @@ class LlamaForCausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
             loaded.add(name)
         return loaded
+
+
+    _KV_SCALE_NAMES = {  # checkpoint suffix -> our buffer (llm-compressor writes the first two forms)
+        ".self_attn.k_scale": "k_scale", ".self_attn.v_scale": "v_scale",
+        ".self_attn.k_proj.output_scale": "k_scale", ".self_attn.v_proj.output_scale": "v_scale",
+        ".self_attn.k_proj.k_scale": "k_scale", ".self_attn.v_proj.v_scale": "v_scale",
+    }
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Per-tensor KV cache scales of FP8-KV checkpoints; the largest if a checkpoint has several."""
+        for suffix, buffer in self._KV_SCALE_NAMES.items():
+            if name.endswith(suffix):
+                attn = self.get_submodule(name[: -len(suffix)] + ".self_attn")
+                getattr(attn, buffer).copy_(tensor.float().max().reshape(1))
+                return True
+        return False
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -63,6 +63,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        # The KV cache's storage dtype: the model's, or e4m3 (--kv-cache-dtype fp8), half the bytes of bf16.
+        self.kv_cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        self.calculate_kv_scales_pending = config.args.calculate_kv_scales and config.kv_cache_dtype != "auto"
         self.block_size = config.args.block_size
         self.model_config = config.model_config
         self.max_model_len = config.max_model_len
@@ -94,14 +97,14 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return self.model_config.kv_bytes_per_token(elem) * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
@@ -271,6 +274,13 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return PendingOutput.empty()
+        if self.calculate_kv_scales_pending:
+            # The first real batch (a prefill: never a decode graph) computes the scales; graphs read the
+            # scale buffers by address, so they see the values.
+            self.calculate_kv_scales_pending = False
+            for module in self.model.modules():
+                if hasattr(module, "calculate_kv_scales"):
+                    module.calculate_kv_scales = True
         num_reqs = len(out.scheduled)
         hidden = self._run_decode_graph(out)
         if hidden is not None:
