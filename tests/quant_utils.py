@@ -219,3 +219,18 @@ def smollm2_weights() -> tuple[dict, dict[str, torch.Tensor]]:
     config["torch_dtype"] = "float32"
     weights = {name: t.float().contiguous() for name, t in iter_gguf_weights(gguf)}
     return config, weights
+
+
+def make_smollm2_checkpoint(out_dir: Path, method: str | None, source=None, **opt) -> Path:
+    """SmolLM2-135M-Instruct as an HF safetensors checkpoint: fp32 (method None) or quantized by the
+    reference quantizers, with the GGUF's tokenizer and chat template. source: smollm2_weights(), if
+    already read."""
+    from kvserve.model.default_model import find_default_gguf, load_tokenizer
+
+    config, weights = source or smollm2_weights()
+    tokenizer = load_tokenizer(find_default_gguf())
+    if method is None:
+        return write_checkpoint(out_dir, config, weights, tokenizer=tokenizer)
+    quant, _ = quantize_tensors(weights, method, **opt)
+    return write_checkpoint(out_dir, {**config, "quantization_config": quant_config_for(method, **opt)}, quant,
+                            tokenizer=tokenizer)

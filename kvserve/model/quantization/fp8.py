@@ -130,7 +130,8 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.static_input:
             # One scale for the layer's input: the largest of its parts' (they see the same input).
             layer.input_scale = torch.nn.Parameter(layer.input_scale.data.float().max().reshape(1), requires_grad=False)
-        layer.fp8_gemm = w.is_cuda and cuda_has_fp8(w.device)
+        # _scaled_mm needs both GEMM dims of the weight in multiples of 16.
+        layer.fp8_gemm = w.is_cuda and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and cuda_has_fp8(w.device)
 
     def dequantized_weight(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
@@ -144,7 +145,8 @@ class Fp8LinearMethod(LinearMethodBase):
             xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         else:
             xq, x_scale = quantize_per_token(x2)
+        # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
         out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
-                               out_dtype=x.dtype)
-        out = out.reshape(*x.shape[:-1], out.shape[-1])
+                               out_dtype=torch.bfloat16)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias

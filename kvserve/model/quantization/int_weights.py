@@ -65,6 +65,7 @@ class IntWeights:
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if name in layer._parameters:
                 del layer._parameters[name]
+        layer.__dict__.pop("_dequantized_reference", None)
         layer.quant_bits = bits
         layer.group_size = group_size
         layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
@@ -76,8 +77,12 @@ class IntWeights:
     def dequantize(layer: nn.Module) -> torch.Tensor:
         """W [K, N] in the scales' dtype (exact (q - z) * s, computed in fp32)."""
         q = unpack_rows(layer.qweight, layer.quant_bits)
-        k = q.shape[0]
-        groups = layer.g_idx.long() if layer.g_idx is not None else torch.arange(k, device=q.device) // layer.group_size
+        k, n = q.shape
+        if layer.g_idx is None:  # consecutive groups: broadcast instead of gathering
+            q = q.view(k // layer.group_size, layer.group_size, n)
+            w = (q.float() - layer.zeros.float()[:, None]) * layer.scales.float()[:, None]
+            return w.reshape(k, n).to(layer.scales.dtype)
+        groups = layer.g_idx.long()
         w = (q.float() - layer.zeros.float()[groups]) * layer.scales.float()[groups]
         return w.to(layer.scales.dtype)
 
@@ -90,5 +95,11 @@ class IntWeights:
                            layer.quant_bits, layer.group_size)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
         else:
-            out = torch.matmul(x, IntWeights.dequantize(layer).to(x.dtype))
+            # The CPU reference path (tests, small models) keeps the dequantized weight after its first use:
+            # dequantizing every step costs several times the matmul itself. Not a parameter, so the
+            # logged weight bytes stay those of the packed weights; GPUs never build it.
+            w = getattr(layer, "_dequantized_reference", None)
+            if w is None or w.dtype != x.dtype:
+                w = layer._dequantized_reference = IntWeights.dequantize(layer).to(x.dtype)
+            out = torch.matmul(x, w)
         return out if bias is None else out + bias

@@ -20,7 +20,7 @@ import triton.language as tl
 def _int_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
     M, N, K, stride_xm, stride_om, stride_os, k_per_split,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -40,16 +40,26 @@ def _int_gemm_kernel(
         k_ok = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = k_ok[:, None] & n_ok[None, :]
-        packed = tl.load(qw_ptr + (offs_k[:, None] // PACK).to(tl.int64) * N + offs_n[None, :], mask=wmask, other=0)
-        q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & MASK
-        if HAS_G_IDX:
-            grp = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+        # Each packed int32 is read once: [BLOCK_K / PACK, BLOCK_N] words, unpacked by broadcasting the
+        # shifts to [BLOCK_K / PACK, PACK, BLOCK_N] and flattening to rows k = word * PACK + field.
+        offs_w = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+        w_ok = (offs_w < tl.cdiv(k_end, PACK))[:, None] & n_ok[None, :]
+        packed = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * N + offs_n[None, :], mask=w_ok, other=0)
+        shifts = tl.arange(0, PACK) * BITS
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & MASK, [BLOCK_K, BLOCK_N])
+        if ONE_GROUP_PER_TILE:  # the tile's rows share one group: one row of scales and zeros
+            sz = (k0 // GROUP_SIZE) * N + offs_n  # G * N < 2**31 for any real layer
+            s = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         else:
-            grp = offs_k // GROUP_SIZE
-        sz_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-        s = tl.load(s_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
+            if HAS_G_IDX:
+                grp = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                grp = offs_k // GROUP_SIZE
+            sz_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+            wmask = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
         w = ((q.to(tl.float32) - z) * s).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PREC)
     out_off = pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -80,6 +90,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         # Enough programs for about two per SM; each split keeps at least 4 K tiles.
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
         split_k = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), k // (4 * block_k))) if decode else 1
+    # Splits and tiles start at multiples of BLOCK_K (itself a multiple of the pack factor).
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     if split_k == 1:
@@ -94,6 +105,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         x, qweight, scales, zeros, g_idx if g_idx is not None else dummy, out,
         m, n, k, x.stride(0), n, stride_os, k_per_split,
         BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
+        ONE_GROUP_PER_TILE=g_idx is None and group_size % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
