@@ -140,6 +140,8 @@ def test_quantization_flag_is_checked(tiny_model_factory, quantized):
     qdir, _ = quantized("llama", "awq", group_size=32)
     with pytest.raises(ValueError, match=r"--quantization gptq: the checkpoint is quantized with 'awq'"):
         LLM(str(qdir), quantization="gptq", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match=r"--quantization gptq: GGUF checkpoints are dequantized at load"):
+        LLM(quantization="gptq")  # the embedded SmolLM2 GGUF
     # The vLLM alias names the same format.
     LLM(str(qdir), quantization="awq_marlin", max_model_len=256, kv_cache_memory_bytes=8 << 20)
 

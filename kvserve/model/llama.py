@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(hf_part, our_part), shard_id
                     break
             param = params.get(name)
+            if param is None and name.endswith(".bias") and not tensor.any():
+                continue  # GPTQ tools save all-zero biases for layers that have none
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             owner = self.get_submodule(name.rsplit(".", 1)[0])

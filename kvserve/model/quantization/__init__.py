@@ -45,9 +45,9 @@ def resolve_quant_config(requested: str | None, hf_config: dict, is_gguf: bool =
     or, for an unquantized checkpoint, --quantization fp8 quantizes at load."""
     requested = normalize_method(requested)
     ckpt = hf_config.get("quantization_config") or hf_config.get("compression_config")
-    if is_gguf and requested is not None:
-        raise ValueError(f"--quantization {requested}: GGUF checkpoints are dequantized at load; use an HF "
-                         f"safetensors checkpoint for {requested}.")
+    if is_gguf and requested not in (None, "fp8"):
+        raise ValueError(f"--quantization {requested}: GGUF checkpoints are dequantized at load; {requested} "
+                         f"needs an HF safetensors checkpoint in that format (fp8 can quantize any checkpoint).")
     if ckpt:
         method = normalize_method_from_checkpoint(ckpt)
         if requested is not None and requested != method:
