@@ -33,7 +33,7 @@ CONFIGS = {
     "awq-int4 g64": ("awq", {"group_size": 64}, {}),
     "gptq-int4 g64 sym": ("gptq", {"bits": 4, "group_size": 64, "sym": True}, {}),
     "gptq-int4 g64 asym act-order": ("gptq", {"bits": 4, "group_size": 64, "sym": False, "desc_act": True}, {}),
-    "gptq-int8 g128": ("gptq", {"bits": 8, "group_size": 128, "sym": True}, {}),
+    "gptq-int8 g64": ("gptq", {"bits": 8, "group_size": 64, "sym": True}, {}),  # 576 = 9 x 64
     "fp32 + fp8 KV cache": (None, {}, {"kv_cache_dtype": "fp8"}),
     "awq-int4 g64 + fp8 KV cache": ("awq", {"group_size": 64}, {"kv_cache_dtype": "fp8"}),
 }

@@ -55,6 +55,7 @@ def quantize_awq(w: torch.Tensor, group_size: int):
     """w [N, K] -> (tensors, dequantized w [N, K] fp32)."""
     wt = w.t().float()  # [K, N]
     k, n = wt.shape
+    assert k % group_size == 0, f"input size {k} is not a multiple of group size {group_size}"
     grouped = wt.reshape(k // group_size, group_size, n)
     wmax, wmin = grouped.amax(1), grouped.amin(1)
     scales = ((wmax - wmin).clamp(min=1e-5) / 15).half().float()  # stored fp16: quantize with that value
@@ -82,6 +83,7 @@ def quantize_gptq(w: torch.Tensor, bits: int, group_size: int, sym: bool, perm: 
     k, n = wt.shape
     maxq = 2**bits - 1
     g = group_size if group_size > 0 else k
+    assert k % g == 0, f"input size {k} is not a multiple of group size {g}"
     order = perm if perm is not None else torch.arange(k)
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // g).to(torch.int32)
