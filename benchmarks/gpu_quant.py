@@ -141,17 +141,17 @@ def main():
                 cfg = dict(W1_CONFIG, quantization_config={"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP,
                                                            "zero_point": True, "version": "gemm"})
                 llm = LLM(write_config(cfg), **engine_kwargs(args))
-                copy_into(llm.llm_engine.runner.model, awq_tensors, float_params)
+                copy_into(llm.llm_engine.executor.runner.model, awq_tensors, float_params)
             else:
                 llm = LLM(path, **engine_kwargs(args), **extra)
             res = {"start_to_ready_s": round(time.perf_counter() - t0, 1),
-                   "weight_GiB": round(llm.llm_engine.weight_bytes / 2**30, 2),
-                   "kv_tokens": llm.llm_engine.runner.num_blocks * llm.llm_engine.config.args.block_size}
+                   "weight_GiB": round(llm.llm_engine.executor.worker.weights_bytes / 2**30, 2),
+                   "kv_tokens": llm.llm_engine.executor.runner.num_blocks * llm.llm_engine.config.args.block_size}
             tokens = greedy_tokens(llm, prompts)
             if name == "bf16":
                 sequences = [p + t for p, t in zip(prompts, tokens)]
                 ref = (tokens, teacher_forced_logprobs(llm, sequences))
-                model = llm.llm_engine.runner.model
+                model = llm.llm_engine.executor.runner.model
                 awq_tensors = awq_served_tensors(model)
                 float_params = {n: p.detach().cpu() for n, p in model.named_parameters()
                                 if not n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight"))}

@@ -106,6 +106,9 @@ def parity(results: dict) -> bool:
     triton_graphs_sync = run(attention_backend="triton", async_scheduling=False)
     triton_eager = run(attention_backend="triton", enforce_eager=True)
     torch_eager = run(attention_backend="torch", enforce_eager=True)
+    # A 256-token budget chunks every prompt: steps of <= 512 tokens run in the mixed-step graphs.
+    chunked_graphs = run(attention_backend="triton", max_num_batched_tokens=256)
+    chunked_eager = run(attention_backend="triton", enforce_eager=True, max_num_batched_tokens=256)
     rows = []
     for i, (exp, got) in enumerate(zip(expected, triton_graphs)):
         split = next((j for j, (a, b) in enumerate(zip(exp, got)) if a != b), None)
@@ -117,10 +120,12 @@ def parity(results: dict) -> bool:
         "graphs_equal_eager": triton_graphs == triton_eager,
         "async_equal_sync": triton_graphs == triton_graphs_sync,
         "triton_equal_torch_backend": triton_eager == torch_eager,
+        "mixed_graphs_equal_eager": chunked_graphs == chunked_eager,
+        "chunked_identical_vs_hf": sum(a == b for a, b in zip(expected, chunked_graphs)),
     }
     print("parity:", json.dumps(results["parity"]), flush=True)
     splits_are_ties = all(r["identical"] or r["hf_top2_logit_margin_at_split"] < 0.25 for r in rows)
-    return triton_graphs == triton_eager == triton_graphs_sync and splits_are_ties
+    return triton_graphs == triton_eager == triton_graphs_sync and chunked_graphs == chunked_eager and splits_are_ties
 
 
 # ---- 2-4. speed ----------------------------------------------------------------------------------
@@ -230,6 +235,23 @@ def run_kvserve(llm, reqs, label, results):
     return outs
 
 
+def measure_ttft(llm, num_tokens: int, results, repeats: int = 5) -> float:
+    """Time to first token of one prompt on an idle engine: LLM.generate with max_tokens=1, best of
+    `repeats`, prefix cache reset before each (vllm_bench.py measures vLLM the same way at 128 tokens)."""
+    rng = random.Random(1)
+    ids = [rng.randint(100, 119999) for _ in range(num_tokens)]
+    best = float("inf")
+    for i in range(repeats + 2):  # two warm-ups
+        assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], greedy(1), use_tqdm=False)
+        if i >= 2:
+            best = min(best, time.perf_counter() - t)
+    results[f"ttft_{num_tokens}_ms"] = round(best * 1e3, 2)
+    print(f"ttft_{num_tokens}_ms", results[f"ttft_{num_tokens}_ms"], flush=True)
+    return best
+
+
 def hf_baseline(path_cfg: dict, reqs, batch: int, out_len: int, results):
     import transformers
 
@@ -266,6 +288,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--compare-sync", action="store_true", help="also run batch-1 and W1 with async scheduling off")
     ap.add_argument("--sync-check-only", action="store_true", help="only look for hidden host syncs in decode steps")
+    ap.add_argument("--vllm-json", help="vllm_bench.py's JSON written earlier in the same device command: "
+                                        "print ratios against it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -295,6 +319,8 @@ def main():
     run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
     run_kvserve(llm, [(p, slice_out) for p, _ in reqs[:slice_batch]], "kvserve_slice", results)
     run_kvserve(llm, [batch1_request()], "batch1", results)
+    measure_ttft(llm, 128, results)
+    measure_ttft(llm, 2048, results)
     work = reqs[:64] if args.quick else reqs
     run_kvserve(llm, work, "w1", results)
     results["host_syncs_in_decode"] = count_host_syncs(llm)
@@ -315,12 +341,27 @@ def main():
         print(f"| greedy identical vs HF (8 prompts, bf16) | {p['identical_vs_hf']}/8 | splits at HF top-2 margins "
               f"{[r['hf_top2_logit_margin_at_split'] for r in p['vs_hf'] if not r['identical']]} |")
         print(f"| graphs == eager tokens / triton == torch | {p['graphs_equal_eager']} / {p['triton_equal_torch_backend']} | |")
+        print(f"| 256-token chunks: mixed-step graphs == eager / identical vs HF | {p['mixed_graphs_equal_eager']} / "
+              f"{p['chunked_identical_vs_hf']}/8 | |")
     if "hf_slice" in results:
         ratio = results["kvserve_slice"]["output_tok_s"] / results["hf_slice"]["output_tok_s"]
         print(f"| W1 slice {slice_batch}x{slice_out} out tok/s | {results['kvserve_slice']['output_tok_s']} | "
               f"HF generate {results['hf_slice']['output_tok_s']} ({ratio:.2f}x) |")
     w = results["w1"]
-    print(f"| W1{' (quick)' if args.quick else ''} output tok/s | {w['output_tok_s']} ({w['seconds']} s) | vLLM 0.26: 10211 (14.85 s) |")
+    vllm = {}
+    if args.vllm_json and os.path.exists(args.vllm_json):
+        with open(args.vllm_json) as f:
+            vllm = json.load(f)
+        results["vllm"] = vllm
+
+    def versus(ours: float, key: str, higher_is_better: bool = True) -> str:
+        if key not in vllm:
+            return "vLLM not run"
+        ratio = ours / vllm[key] if higher_is_better else vllm[key] / ours
+        return f"vLLM {vllm.get('vllm_version', '')} same run: {vllm[key]} ({ratio:.2f}x)"
+
+    print(f"| W1{' (quick)' if args.quick else ''} output tok/s | {w['output_tok_s']} ({w['seconds']} s) | "
+          f"{versus(w['output_tok_s'], 'vllm_offline_out_tok_per_s')} |")
     for key in ("w1", "w1_sync", "w1_again", "batch1", "batch1_sync", "batch1_again"):
         if key in results:
             r = results[key]
@@ -331,13 +372,17 @@ def main():
         print(f"| W1 async / sync scheduling | {w['output_tok_s'] / results['w1_sync']['output_tok_s']:.2f}x | "
               f"sync {results['w1_sync']['output_tok_s']} |")
     b = results["batch1"]
-    print(f"| batch-1 decode tok/s | {b['output_tok_s']} ({b['ms_per_step']} ms/step) | vLLM 0.26: 203 |")
+    print(f"| batch-1 decode tok/s | {b['output_tok_s']} ({b['ms_per_step']} ms/step) | {versus(b['output_tok_s'], 'bs1_out_tok_per_s')} |")
+    if "bs1_prefill_plus_1tok_s" in vllm:
+        vllm["ttft_128_ms"] = round(vllm["bs1_prefill_plus_1tok_s"] * 1e3, 2)
+    print(f"| TTFT, 128-token prompt, idle (ms) | {results['ttft_128_ms']} | {versus(results['ttft_128_ms'], 'ttft_128_ms', False)} |")
+    print(f"| TTFT, 2,048-token prompt, idle (ms) | {results['ttft_2048_ms']} | {versus(results['ttft_2048_ms'], 'ttft_2048_ms', False)} |")
     if "batch1_sync" in results:
         print(f"| batch-1 async / sync scheduling | {b['output_tok_s'] / results['batch1_sync']['output_tok_s']:.2f}x | "
               f"sync {results['batch1_sync']['output_tok_s']} |")
     print(f"| sync-debug warnings in 32 decode steps: greedy / sampled | {results['host_syncs_in_decode']} / "
           f"{results['host_syncs_in_sampled_decode']} | |")
-    print(f"| start to ready (s) | {results['start_to_ready_s']} | vLLM 0.26: 182 |")
+    print(f"| LLM(...) start to ready (s) | {results['start_to_ready_s']} | {versus(results['start_to_ready_s'], 'init_s', False)} |")
     print(f"| correctness | {'OK' if ok else 'FAILED'} | |")
     raise SystemExit(0 if ok else 1)
 

@@ -73,7 +73,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(str(built[key]), max_model_len=1024, kv_cache_memory_bytes=64 << 20, **engine_kw)
         ppl = perplexity(llm, tokens)
-        weights = llm.llm_engine.weight_bytes
+        weights = llm.llm_engine.executor.worker.weights_bytes
         rows.append({"config": name, "perplexity": round(ppl, 4), "weight_MiB": round(weights / 2**20, 1),
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name}: ppl {ppl:.4f}", flush=True)

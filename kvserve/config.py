@@ -44,8 +44,11 @@ class EngineArgs:
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu.", "group": "Execution"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: triton on CUDA, torch on CPU).", "group": "Execution"})
     enforce_eager: bool = field(default=False, metadata={"help": "Disable CUDA graphs.", "group": "Execution"})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel ranks (only 1 for now).", "group": "Execution"})
-    pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages (only 1 for now).", "group": "Execution"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel ranks: each layer's heads and features split over this many devices (CPU: processes).", "group": "Parallel", "aliases": ["-tp"]})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages: the layers split over this many device groups (layers per stage: even, or VLLM_PP_LAYER_PARTITION=\"a,b\").", "group": "Parallel", "aliases": ["-pp"]})
+    distributed_executor_backend: str | None = field(default=None, metadata={"help": "uni (in this process) | mp (one process per device on this host) | ray (one Ray actor per device, any number of nodes). Default: uni for one device, mp for several.", "group": "Parallel"})
+    pp_layer_partition: str | None = field(default=None, metadata={"help": "Decoder layers per pipeline stage, e.g. \"20,12\" (default: $KVSERVE_PP_LAYER_PARTITION or $VLLM_PP_LAYER_PARTITION, else even).", "group": "Parallel"})
+    disable_custom_all_reduce: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve's all-reduce is torch.distributed's (NCCL on GPU, gloo on CPU).", "group": "Parallel"})
 
     def __post_init__(self):
         self._validate_static()
@@ -74,8 +77,15 @@ class EngineArgs:
             bad("num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             bad("kv_cache_memory_bytes", f"must be >= 1, got {self.kv_cache_memory_bytes}.")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            bad("tensor_parallel_size", "tensor and pipeline parallelism are not implemented yet; use 1.")
+        if self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}.")
+        if self.pipeline_parallel_size < 1:
+            bad("pipeline_parallel_size", f"must be >= 1, got {self.pipeline_parallel_size}.")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            bad("distributed_executor_backend", f"{self.distributed_executor_backend!r} is not one of uni, mp, ray.")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            bad("distributed_executor_backend", f"uni runs one device in this process; --tensor-parallel-size "
+                f"{self.tensor_parallel_size} x --pipeline-parallel-size {self.pipeline_parallel_size} needs mp or ray.")
         from kvserve.model.quantization import normalize_method
 
         normalize_method(self.quantization)
@@ -85,6 +95,15 @@ class EngineArgs:
             bad("swap_space", "swap preemption is not implemented yet; preemption recomputes. Use 0.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """uni for one device, mp for several on this host, unless chosen."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -109,6 +128,7 @@ class EngineConfig:
     dtype: str  # float32 | bfloat16 | float16
     attention_backend: str
     async_scheduling: bool
+    layer_ranges: list = field(default_factory=list)  # [(first, end)] decoder layers per pipeline stage
     quant_config: object = None  # kvserve.model.quantization.QuantizationConfig, or None
     kv_cache_dtype: str = "auto"  # the KV cache's storage: "auto" (= dtype) or "fp8_e4m3"
 
@@ -168,7 +188,9 @@ class EngineConfig:
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         tokenizer_path = Path(args.tokenizer).expanduser() if args.tokenizer else model_path
+        layer_ranges = _check_parallel_layout(args, model_config, device)
         return cls(
+            layer_ranges=layer_ranges,
             args=args,
             model_path=model_path,
             tokenizer_path=tokenizer_path,
@@ -179,10 +201,42 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             attention_backend=backend,
-            async_scheduling=device == "cuda" if args.async_scheduling is None else args.async_scheduling,
+            # Pipeline parallelism keeps several batches in flight instead, each request in at most one.
+            async_scheduling=args.pipeline_parallel_size == 1 and (
+                device == "cuda" if args.async_scheduling is None else args.async_scheduling),
             quant_config=quant_config,
             kv_cache_dtype="auto" if args.kv_cache_dtype == "auto" else "fp8_e4m3",
         )
+
+
+def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str) -> list[tuple[int, int]]:
+    """Impossible layouts fail here, before any process starts, naming the numbers and the flag."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"The model's {cfg.num_attention_heads} attention heads are not divisible by "
+                         f"--tensor-parallel-size {tp}; use a tensor parallel size that divides {cfg.num_attention_heads}.")
+    kv = cfg.num_key_value_heads
+    if (kv % tp) if tp <= kv else (tp % kv):
+        raise ValueError(f"The model's {kv} KV heads and --tensor-parallel-size {tp} do not fit: one must divide "
+                         f"the other (KV heads are split, or replicated when there are fewer than ranks).")
+    if cfg.vocab_size % tp:
+        raise ValueError(f"The vocabulary ({cfg.vocab_size} tokens) is not divisible by --tensor-parallel-size {tp}.")
+    if pp > cfg.num_hidden_layers:
+        raise ValueError(f"--pipeline-parallel-size {pp} is larger than the model's {cfg.num_hidden_layers} layers; "
+                         f"use --pipeline-parallel-size {cfg.num_hidden_layers} or less.")
+    from kvserve.distributed.layer_partition import layer_partition
+
+    # Decided here, once: every worker gets the same ranges (a malformed partition fails now).
+    layer_ranges = layer_partition(cfg.num_hidden_layers, pp, args.pp_layer_partition)
+    if device == "cuda" and args.executor_backend != "ray":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if tp * pp > visible:
+            raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} GPUs, but "
+                             f"only {visible} are visible on this host (CUDA_VISIBLE_DEVICES). Lower the sizes, or "
+                             f"use --distributed-executor-backend ray on a cluster with more GPUs.")
+    return layer_ranges
 
 
 def _cuda_available() -> bool:

@@ -51,7 +51,8 @@ def test_bad_prompts(llm):
         (dict(dtype="int3"), "--dtype"),
         (dict(max_num_seqs=0), "--max-num-seqs"),
         (dict(load_format="pickle"), "--load-format"),
-        (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+        (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
+        (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend"),
     ],
 )
 def test_invalid_engine_args(kwargs, flag):

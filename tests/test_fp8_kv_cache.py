@@ -46,7 +46,7 @@ def runs(tiny_model_factory):
 
 def test_fp8_kv_cache_stays_close_to_the_16bit_cache(runs):
     (_, auto), (llm, fp8) = runs["auto"], runs["fp8"]
-    assert all(c.dtype == torch.float8_e4m3fn for c in llm.llm_engine.runner.kv_caches)
+    assert all(c.dtype == torch.float8_e4m3fn for c in llm.llm_engine.executor.runner.kv_caches)
     diff = (_prompt_logprobs(auto) - _prompt_logprobs(fp8)).abs()
     assert 0 < diff.max() < 0.03, diff.max()
     pairs = [(x, y) for a, b in zip(auto, fp8) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids)]
@@ -60,7 +60,7 @@ def test_fp8_kv_cache_holds_more_tokens_and_says_so(tiny_model_factory, caplog):
         auto = _llm(path)
         fp8 = _llm(path, kv_cache_dtype="fp8_e4m3")
     # Same bytes, 1-byte elements instead of the fp32 CPU cache's 4 (2x against a bf16 cache).
-    assert fp8.llm_engine.runner.num_blocks == 4 * auto.llm_engine.runner.num_blocks
+    assert fp8.llm_engine.executor.runner.num_blocks == 4 * auto.llm_engine.executor.runner.num_blocks
     lines = [r.getMessage() for r in caplog.records if "KV cache size" in r.getMessage()]
     assert any("(dtype float32)" in m for m in lines) and any("(dtype fp8_e4m3)" in m for m in lines), lines
 
@@ -68,7 +68,7 @@ def test_fp8_kv_cache_holds_more_tokens_and_says_so(tiny_model_factory, caplog):
 def test_calculate_kv_scales_from_the_first_batch(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     llm = _llm(path, kv_cache_dtype="fp8", calculate_kv_scales=True)
-    attn = [layer.self_attn for layer in llm.llm_engine.runner.model.layers]
+    attn = [layer.self_attn for layer in llm.llm_engine.executor.runner.model.layers]
     assert all(a.k_scale.item() == 1.0 for a in attn)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 20, 40, seed=1)], params, use_tqdm=False)
@@ -91,7 +91,7 @@ def test_kv_scales_come_from_the_checkpoint(tiny_model_factory, tmp_path):
     tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.04])
     save_file(tensors, str(dst / "model.safetensors"))
     llm = _llm(str(dst), kv_cache_dtype="fp8")
-    layers = llm.llm_engine.runner.model.layers
+    layers = llm.llm_engine.executor.runner.model.layers
     assert layers[0].self_attn.k_scale.item() == pytest.approx(0.02)
     assert layers[0].self_attn.v_scale.item() == pytest.approx(0.03)
     assert layers[1].self_attn.k_scale.item() == pytest.approx(0.04)

@@ -47,8 +47,7 @@ def _layer(method: str, k: int, n: int, **opt):
     else:
         cfg = GPTQConfig(opt["bits"], opt["group_size"], opt.get("desc_act", False), opt.get("sym", True), "gptq")
     layer = nn.Module()
-    layer.prefix = "layers.0.mlp.down_proj"
-    method_obj = cfg.get_quant_method(layer, layer.prefix)
+    method_obj = cfg.get_quant_method("layers.0.mlp.down_proj")
     method_obj.create_weights(layer, k, [n], k, n, torch.float32)
     for name, t in tensors.items():
         getattr(layer, name.rsplit(".", 1)[1]).data.copy_(t)

@@ -63,10 +63,10 @@ def test_quantized_checkpoint_matches_hf_on_dequantized_weights(quantized, arch,
     llm, got = _greedy(qdir, prompts)
     assert got == hf_greedy(hf, prompts, MAX_TOKENS)
     # The checkpoint format was detected from config.json and the layers really are quantized.
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert type(qkv.quant_method).__name__ != "UnquantizedLinearMethod"
-    assert model.lm_head is None or type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert model.lm_head.weight.dtype == torch.float32  # the head (and embedding) stay unquantized
 
 
 def test_online_fp8_matches_hf_on_per_channel_fp8_weights(tiny_model_factory, tmp_path):
@@ -82,23 +82,23 @@ def test_online_fp8_matches_hf_on_per_channel_fp8_weights(tiny_model_factory, tm
     hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
     prompts = random_prompts(4, 1, 60, seed=5)
     llm, got = _greedy(src, prompts, quantization="fp8")
-    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.executor.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     assert got == hf_greedy(hf, prompts, MAX_TOKENS)
 
 
 def test_weight_memory_is_counted_in_real_bytes(quantized, tiny_model_factory, caplog):
     src, _ = tiny_model_factory("llama")
     qdir, _ = quantized("llama", "awq", group_size=32)
-    with caplog.at_level(logging.INFO, logger="kvserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="kvserve.worker.worker"):
         plain = LLM(src, max_model_len=256, kv_cache_memory_bytes=8 << 20)
         awq = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=8 << 20)
     def linear_bytes(llm):
-        return sum(weight_bytes(m) for n, m in llm.llm_engine.runner.model.named_modules() if n.endswith("_proj"))
+        return sum(weight_bytes(m) for n, m in llm.llm_engine.executor.runner.model.named_modules() if n.endswith("_proj"))
     # fp32 plain vs 4-bit values + fp32 scales/zeros per 32 weights: 4 / (0.5 + 8/32) = 5.33x fewer bytes.
     ratio = linear_bytes(plain) / linear_bytes(awq)
     assert 5.2 < ratio < 5.5, ratio
-    assert awq.llm_engine.weight_bytes == weight_bytes(awq.llm_engine.runner.model)
-    assert any("Model weights take" in r.getMessage() and "quantization: awq" in r.getMessage() for r in caplog.records)
+    assert awq.llm_engine.executor.worker.weights_bytes == weight_bytes(awq.llm_engine.executor.runner.model)
+    assert any("model weights take" in r.getMessage() and "quantization: awq" in r.getMessage() for r in caplog.records)
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -158,12 +158,12 @@ def test_corrupt_qweight_shape_is_rejected(quantized, tmp_path):
     name = "model.layers.1.mlp.down_proj.qweight"
     tensors[name] = tensors[name][:, :-1].contiguous()  # one packed column short
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj: checkpoint tensor of shape \(128, 7\) does not "
-                                         r"match parameter \(128, 8\); expected layout awq qweight: int32 \[in, out/8\]"):
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj\.qweight: weight: checkpoint shape \(128, 7\) does "
+                                         r"not match parameter \(128, 8\); expected layout awq qweight: int32 \[in, out/8\]"):
         LLM(str(bad), max_model_len=256, kv_cache_memory_bytes=8 << 20)
     tensors = load_file(str(qdir / "model.safetensors"))
     tensors[name] = tensors[name].float()  # a cast checkpoint: packed values destroyed
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"down_proj: checkpoint tensor has dtype torch.float32, but the layer's "
+    with pytest.raises(ValueError, match=r"down_proj\.qweight: weight: checkpoint tensor has dtype torch.float32, but the layer's "
                                          r"quantization method expects torch.int32"):
         LLM(str(bad), max_model_len=256, kv_cache_memory_bytes=8 << 20)

@@ -29,6 +29,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # Pipeline parallelism keeps several batches in flight, and a request may be in only one of them
+    # (its next chunk needs the K/V and the token of the last): running requests in a batch still in
+    # flight are skipped, so no placeholder is ever scheduled. False: async scheduling's placeholders.
+    exclusive_batches: bool = False
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        # request id -> scheduled batches not yet passed to update() that hold it
+        self.in_flight: dict[str, int] = {}
 
     # ---- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -123,6 +129,9 @@ class Scheduler:
             if req.certain_to_finish():  # its length cap is reached by tokens in flight: nothing to compute
                 i += 1
                 continue
+            if self.config.exclusive_batches and req.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
             new_block_ids = None
             while True:
@@ -150,6 +159,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
+            if self.config.exclusive_batches and req.request_id in self.in_flight:
+                break  # preempted while a chunk of it is in flight: resume once that batch is back
             shared = self._sibling_prefix(req) if req.prefix_source_id is not None else None
             if shared is _WAIT:
                 break
@@ -172,6 +183,9 @@ class Scheduler:
             budget -= num_new
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        in_flight = self.in_flight
+        for sched in out.scheduled:
+            in_flight[sched.request_id] = in_flight.get(sched.request_id, 0) + 1
         return out
 
     def _sibling_prefix(self, req: Request):
@@ -228,7 +242,11 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the step's sampled tokens and finish requests; returns those touched."""
         touched = []
+        in_flight = self.in_flight
         for sched in out.scheduled:
+            left = in_flight.pop(sched.request_id, 1) - 1
+            if left:
+                in_flight[sched.request_id] = left
             req = sched.request
             if req.is_finished or not sched.needs_sample:  # finished or aborted after scheduling
                 continue

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from kvserve.background import in_background
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
@@ -146,6 +147,7 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process = None
         self._stopping = False
+        self.on_crashed = None  # called (on the event loop) when the engine dies under the server
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -274,9 +276,13 @@ class AsyncEngine:
             self._process.start()
             child_conn.close()
             kind, payload = conn.recv()
+            tokenizer_future = None
+            if kind == "config":  # load the tokenizer here while the engine process loads the model
+                tokenizer_future = in_background(self._load_tokenizer, payload)
+                kind, payload = conn.recv()
             if kind != "ready":
                 raise RuntimeError(f"The engine process failed to start: {payload}")
-            tokenizer = self._load_tokenizer(payload)
+            tokenizer = tokenizer_future.result() if tokenizer_future else self._load_tokenizer(payload)
         except BaseException as e:  # reported to the server, which exits
             logger.error("Engine failed to start: %s", e)
             self._post(self._on_started, None, None, e)
@@ -332,6 +338,8 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.fail(EngineFailedError("The engine loop crashed; see the server log."))
         self._streams.clear()
+        if self.on_crashed is not None:
+            self.on_crashed()
 
     def _on_batch(self, batch: EngineBatch) -> None:
         accepted, outputs, failed, stats = batch.accepted, batch.outputs, batch.failed, batch.stats

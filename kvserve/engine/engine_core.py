@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.executor.abstract import ExecutorDeadError
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,14 @@ class EngineCore:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception:  # abort what was running; keep serving the rest
+                except Exception as e:  # abort what was running; keep serving the rest
                     logger.exception("Engine step failed; aborting the %d requests in flight", len(self.live))
                     failed = list(self.live)
                     engine.abort_request(failed)
                     self.live.clear()
+                    if isinstance(e, ExecutorDeadError):  # no step can run any more: fail them, then exit
+                        publish(EngineBatch(accepted, [], failed, engine.get_stats()))
+                        raise
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
@@ -97,6 +101,8 @@ def run_engine_core_process(args, conn) -> None:
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
+        # The resolved config first: the server loads its tokenizer while this process loads the model.
+        conn.send(("config", args.create_engine_config()))
         engine = LLMEngine(args)
     except BaseException as e:  # reported to the server, which exits
         logger.exception("Engine failed to start")

@@ -7,6 +7,7 @@ instead of leaving it idle between steps.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -14,18 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.background import in_background
 from kvserve.config import EngineArgs
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.executor.abstract import Executor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
-from kvserve.model.loader import DTYPES, weight_bytes
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker import memory
-from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.runner_output import PendingOutput
 
 logger = logging.getLogger(__name__)
@@ -56,33 +56,12 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.config = config = args.create_engine_config()
         torch.manual_seed(args.seed)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
-        on_gpu = config.device == "cuda"
-        if on_gpu:
-            free_at_start, total = torch.cuda.mem_get_info()
-            allocated_at_start, reserved_at_start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            memory.check_weights_fit(config, free_at_start, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
+        # The tokenizer loads on a thread while the model loads (a large tokenizer.json takes seconds).
+        tokenizer_future = None if args.skip_tokenizer_init else in_background(load_tokenizer, config.tokenizer_path)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config)
-        logger.info("Loaded %s in %.1f s (%s, %s)", config.model_path, time.perf_counter() - t0, config.dtype, config.device)
-        self.weight_bytes = weight_bytes(self.runner.model)
-        logger.info("Model weights take %.4f GiB (quantization: %s)", self.weight_bytes / memory.GiB,
-                    config.quant_config.name if config.quant_config is not None else "none")
-
-        bytes_per_block = self.runner.kv_bytes_per_block()
-        if args.num_gpu_blocks_override is not None:
-            kv_bytes = args.num_gpu_blocks_override * bytes_per_block
-        elif args.kv_cache_memory_bytes is not None or not on_gpu:
-            kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
-        else:
-            kv_bytes = memory.kv_cache_bytes_gpu(
-                config, self.runner, free_at_start, total, allocated_at_start, reserved_at_start
-            )
-        num_blocks = memory.num_blocks_from_bytes(kv_bytes, bytes_per_block)
-        memory.check_max_model_len_fits(config, num_blocks, bytes_per_block, kv_bytes)
-        memory.log_kv_cache(config, num_blocks, kv_bytes)
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs(args.max_num_seqs)
+        self.executor = Executor.create(config)
+        num_blocks = self.executor.initialize()
+        logger.info("Engine ready in %.1f s (%s, %s)", time.perf_counter() - t0, config.dtype, config.device)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -91,9 +70,11 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                exclusive_batches=args.pipeline_parallel_size > 1,
             ),
             self.kv_cache_manager,
         )
+        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
@@ -104,9 +85,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
+        # Pipeline parallelism: up to pp batches in flight (one per stage), oldest first.
+        self.max_batches_in_flight = args.pipeline_parallel_size
+        self._pipeline: collections.deque[InFlightStep] = collections.deque()
         # Core ids of live requests whose sampling reads their output history (penalties, bad words):
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
+
+    @property
+    def runner(self):
+        """The in-process model runner (the uni executor's); None when workers run elsewhere."""
+        return getattr(self.executor, "runner", None)
+
+    def shutdown(self) -> None:
+        """Stops the worker processes, if any (also done at interpreter exit)."""
+        self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
@@ -182,13 +175,15 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(list(request_ids)), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._pipeline)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.max_batches_in_flight > 1:
+            return self._pipelined_step()
         outputs = []
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
@@ -196,7 +191,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
-        launched = InFlightStep(sched_out, time.time(), self.runner.execute_async(sched_out))
+        launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
             self._in_flight = None
@@ -204,6 +199,19 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._finish(launched)
+        return outputs
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
+        are in flight (or nothing new could be scheduled: its requests are all in flight)."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.is_empty:
+            self._pipeline.append(InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out)))
+        outputs = []
+        if sched_out.is_empty:
+            outputs += self._finish(InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out)))
+        if self._pipeline and (sched_out.is_empty or len(self._pipeline) >= self.max_batches_in_flight):
+            outputs += self._finish(self._pipeline.popleft())
         return outputs
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
@@ -221,3 +229,4 @@ class LLMEngine:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+

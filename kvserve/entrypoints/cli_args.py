@@ -26,12 +26,13 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
         group_name = f.metadata.get("group", "Engine")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(f"{group_name} options"))
         flag = "--" + f.name.replace("_", "-")
+        flags = [flag, *f.metadata.get("aliases", [])]
         tp = _scalar(hints[f.name])
         help_text = f.metadata.get("help", "")
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=tp, default=f.default, help=f"{help_text} (default: {f.default})")
+            group.add_argument(*flags, type=tp, default=f.default, help=f"{help_text} (default: {f.default})")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, model: str | None) -> EngineArgs:

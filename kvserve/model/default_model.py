@@ -7,6 +7,8 @@ import, so we only ever *locate* its directory and read the file.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import importlib.util
 import logging
@@ -135,4 +137,26 @@ def load_tokenizer(model_path: str | os.PathLike[str], gguf_file: str | None = N
 
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    with _shared_fresh_tokenizer_objects():
+        return AutoTokenizer.from_pretrained(str(path))
+
+
+@contextlib.contextmanager
+def _shared_fresh_tokenizer_objects():
+    """transformers 5 parses tokenizer.json into a Tokenizer, then deep-copies that fresh object through
+    pickle: a second full parse, seconds for a 128k vocabulary (start-up time). Nothing else holds the
+    object, so the copy can be the object itself while the tokenizer loads."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        yield
+        return
+    previous = copy._deepcopy_dispatch.get(Tokenizer)
+    copy._deepcopy_dispatch[Tokenizer] = lambda obj, memo: obj
+    try:
+        yield
+    finally:
+        if previous is None:
+            copy._deepcopy_dispatch.pop(Tokenizer, None)
+        else:
+            copy._deepcopy_dispatch[Tokenizer] = previous

@@ -10,8 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.linear_method import UnquantizedLinearMethod, new_param
-
 
 # Fused Triton kernels run on CUDA, and on the CPU under Triton's interpreter (how CI tests them).
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -21,112 +19,255 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or _TRITON_INTERPRET
 
 
-class LinearBase(nn.Module):
-    """y = x W^T (+ b). The weight's parameters come from the layer's quant_method (unquantized, fp8,
-    int4, ...); world size 1 today: column/row parallel variants shard them here later.
-    `prefix` is the layer's checkpoint name (without "model."), so a quantization config can skip layers."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant_config=None,
-                 prefix: str = "", output_partition_sizes: list[int] | None = None):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.output_partition_sizes = list(output_partition_sizes or [out_features])
-        self.prefix = prefix
-        self.params_dtype = torch.get_default_dtype()
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
-        self.quant_method = method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(self, in_features, self.output_partition_sizes, in_features,
-                                         out_features, self.params_dtype)
-        if bias:
-            self.bias = new_param((out_features,), self.params_dtype, output_dim=0)
-        else:
-            self.bias = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
-
-    def _shard_target(self, param: nn.Parameter, shard_id: int | None) -> torch.Tensor:
-        """The region of `param` that checkpoint shard `shard_id` (of a merged layer) fills."""
-        if shard_id is None:
-            return param.data
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is None:
-            # Per-tensor values: one slot per merged part when the method made room for it, else shared.
-            if param.dim() == 1 and param.shape[0] == len(self.output_partition_sizes) > 1:
-                return param.data[shard_id:shard_id + 1]
-            return param.data
-        offset = sum(self.output_partition_sizes[:shard_id])
-        size = self.output_partition_sizes[shard_id]
-        if getattr(param, "packed_dim", None) == output_dim:
-            offset //= param.pack_factor
-            size //= param.pack_factor
-        return param.data.narrow(output_dim, offset, size)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        target = self._shard_target(param, shard_id)
-        if target.numel() == 1 and loaded.numel() == 1:
-            loaded = loaded.reshape(target.shape)
-        if target.shape != loaded.shape:
-            where = "" if shard_id is None else f" (shard {shard_id})"
-            hint = getattr(param, "format_hint", None)
-            raise ValueError(f"{self.prefix or type(self).__name__}: checkpoint tensor of shape {tuple(loaded.shape)} "
-                             f"does not match parameter {tuple(target.shape)}{where}"
-                             + (f"; expected layout {hint}" if hint else ""))
-        target.copy_(_checkpoint_tensor_as(loaded, target.dtype, self.prefix))
+def as_tensor(loaded) -> torch.Tensor:
+    """A checkpoint tensor, read now if it was handed over lazily (a CheckpointSlice)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.load()
 
 
 _SERVING_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _checkpoint_tensor_as(loaded: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """Float weights go to the serving dtype; quantized tensors (packed int32, fp8) are taken as they
-    are: a cast would destroy them, so a dtype mismatch there is a corrupt or mislabelled checkpoint."""
-    if loaded.dtype == dtype or (loaded.dtype in _SERVING_FLOATS and dtype in _SERVING_FLOATS):
-        return loaded.to(dtype)
-    raise ValueError(f"{name}: checkpoint tensor has dtype {loaded.dtype}, but the layer's quantization "
-                     f"method expects {dtype}; is --quantization right for this checkpoint?")
+def _copy_into(target: torch.Tensor, loaded, what: str) -> None:
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match parameter {tuple(target.shape)}")
+    loaded = as_tensor(loaded)
+    # Float weights go to the serving dtype; quantized tensors (packed int32, fp8) must arrive in the dtype
+    # their method chose: a cast would destroy them, so a mismatch is a corrupt or mislabelled checkpoint.
+    if loaded.dtype != target.dtype and not (loaded.dtype in _SERVING_FLOATS and target.dtype in _SERVING_FLOATS):
+        raise ValueError(f"{what}: checkpoint tensor has dtype {loaded.dtype}, but the layer's quantization "
+                         f"method expects {target.dtype}; is --quantization right for this checkpoint?")
+    target.copy_(loaded)
+
+
+def _packed(param, dim: int, n: int) -> int:
+    """n features along dim, in the parameter's units (packed int4 holds pack_factor features per element)."""
+    if getattr(param, "packed_dim", None) == dim:
+        return n // param.pack_factor
+    return n
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), weights created and applied by a linear method (unquantized unless one is given).
+
+    Tensor parallel subclasses hold one rank's slice; `weight_loader` is the one place that cuts that slice
+    out of a checkpoint tensor (a torch tensor, or a lazy safetensors slice read only for this rank)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None,
+                 params_dtype: torch.dtype | None = None, input_size_per_partition: int | None = None,
+                 output_partition_sizes: list[int] | None = None):
+        super().__init__()
+        from kvserve.model.linear_method import UnquantizedLinearMethod
+
+        self.input_size = self.in_features = input_size
+        self.output_size = self.out_features = output_size
+        self.input_size_per_partition = input_size if input_size_per_partition is None else input_size_per_partition
+        self.output_partition_sizes = [output_size] if output_partition_sizes is None else list(output_partition_sizes)
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes,
+                                         input_size, output_size, self.params_dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self._bias_size(), dtype=self.params_dtype), requires_grad=False)
+            self.bias.output_dim = self._bias_output_dim
+        else:
+            self.bias = None
+
+    tp_size = 1
+    tp_rank = 0
+    _bias_output_dim = 0  # row-parallel layers keep a full, replicated bias
+
+    def _bias_size(self) -> int:
+        return sum(self.output_partition_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        _copy_into(param.data, loaded, "weight")
+
+
+class ReplicatedLinear(LinearBase):
+    pass
 
 
 class ColumnParallelLinear(LinearBase):
-    pass
+    """Output features split over the TP ranks: rank r holds rows [r * out/tp, (r + 1) * out/tp)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None,
+                 params_dtype: torch.dtype | None = None, output_sizes: list[int] | None = None):
+        from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        output_sizes = output_sizes or [output_size]
+        for size in output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"{type(self).__name__}: output size {size} is not divisible by "
+                                 f"--tensor-parallel-size {self.tp_size}")
+        super().__init__(input_size, output_size, bias, quant_method, params_dtype,
+                         output_partition_sizes=[s // self.tp_size for s in output_sizes])
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        dim = getattr(param, "output_dim", None)
+        if dim is not None:
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        _copy_into(param.data, loaded, "weight")
 
 
-class RowParallelLinear(LinearBase):
-    pass
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input in one GEMM (gate+up); shard_id = index of the part.
+    Each rank holds its slice of every part, parts one after another."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, quant_method=None,
+                 params_dtype: torch.dtype | None = None):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, quant_method, params_dtype, output_sizes=output_sizes)
+
+    def _shard(self, shard_id) -> tuple[int, int, int]:
+        """(offset in this rank's param, size, start in the full checkpoint tensor), in output features."""
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id], self.tp_rank * sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is None:  # a checkpoint that stores the merged tensor already
+            return super().weight_loader(param, loaded)
+        dim = getattr(param, "output_dim", None)
+        if dim is None and getattr(param, "input_dim", None) is not None:  # per input row (GPTQ g_idx): shared
+            return _copy_into(param.data, loaded, f"shard {shard_id}")
+        if dim is None:  # a per-tensor scale of one part: it goes to that part's slot
+            target = param.data[shard_id] if param.data.numel() > 1 else param.data
+            _copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")
+            return
+        offset, size, start = (_packed(param, dim, n) for n in self._shard(shard_id))
+        loaded = loaded.narrow(dim, start, size)
+        _copy_into(param.data.narrow(dim, offset, size), loaded, f"shard {shard_id}")
 
 
-class MergedColumnLinear(LinearBase):
-    """Several projections of the same input in one GEMM (gate+up); shard_id = index of the part."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v in one GEMM, sharded by heads. With more TP ranks than KV heads each KV head is
+    replicated on tp / num_kv_heads ranks (each rank holds one)."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, quant_config=None,
-                 prefix: str = ""):
-        super().__init__(in_features, sum(part_sizes), bias, quant_config, prefix, output_partition_sizes=part_sizes)
-        self.part_sizes = list(part_sizes)
-
-
-class QKVLinear(MergedColumnLinear):
     _SHARDS = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_config=None, prefix: str = ""):
-        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
-                         quant_config, prefix)
+                 quant_method=None, params_dtype: torch.dtype | None = None):
+        from kvserve.distributed.parallel_state import get_tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        super().weight_loader(param, loaded, self._SHARDS[shard_id])
+        tp = get_tp_size()
+        if num_heads % tp:
+            raise ValueError(f"The model's {num_heads} attention heads are not divisible by "
+                             f"--tensor-parallel-size {tp}; use a tensor parallel size that divides {num_heads}.")
+        if (num_kv_heads % tp) if tp <= num_kv_heads else (tp % num_kv_heads):
+            raise ValueError(f"The model's {num_kv_heads} KV heads and --tensor-parallel-size {tp} do not fit: "
+                             f"one must divide the other.")
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.num_kv_head_replicas = max(1, tp // num_kv_heads)
+        self.head_dim = head_dim
+        # Sizes as if every rank held distinct heads; replication is handled where the checkpoint is cut.
+        super().__init__(hidden, [num_heads * head_dim, self.num_kv_heads * tp * head_dim,
+                                  self.num_kv_heads * tp * head_dim], bias, quant_method, params_dtype)
+
+    def _shard(self, shard_id) -> tuple[int, int, int]:
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        if shard_id == 0:
+            return 0, q, self.tp_rank * q
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        return q + (shard_id - 1) * kv, kv, kv_rank * kv
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        super().weight_loader(param, loaded, self._SHARDS.get(shard_id, shard_id))
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int):
+class RowParallelLinear(LinearBase):
+    """Input features split over the TP ranks; the partial products are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None,
+                 params_dtype: torch.dtype | None = None, reduce_results: bool = True):
+        from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if input_size % self.tp_size:
+            raise ValueError(f"{type(self).__name__}: input size {input_size} is not divisible by "
+                             f"--tensor-parallel-size {self.tp_size}")
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, bias, quant_method, params_dtype,
+                         input_size_per_partition=input_size // self.tp_size)
+
+    _bias_output_dim = None
+
+    def _bias_size(self) -> int:
+        return self.output_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.distributed.parallel_state import tensor_parallel_all_reduce
+
+        out = self.quant_method.apply(self, x, self.bias if self.tp_size == 1 else None)
+        if self.tp_size > 1 and self.reduce_results:
+            out = tensor_parallel_all_reduce(out)
+            if self.bias is not None:
+                out = out + self.bias  # after the sum: added once, not tp times
+        return out
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        dim = getattr(param, "input_dim", None)
+        if dim is not None:
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        _copy_into(param.data, loaded, "weight")
+
+
+# Names the model code used before tensor parallelism.
+MergedColumnLinear = MergedColumnParallelLinear
+QKVLinear = QKVParallelLinear
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over the TP ranks; each rank looks up the ids in its range, the rest are zeros,
+    and an all-reduce assembles the full rows."""
+
+    def __init__(self, vocab_size: int, hidden: int, params_dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+        from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if vocab_size % self.tp_size:
+            raise ValueError(f"The vocabulary ({vocab_size} tokens) is not divisible by --tensor-parallel-size "
+                             f"{self.tp_size}; use a tensor parallel size that divides {vocab_size}.")
+        self.vocab_size = vocab_size
+        self.shard_size = vocab_size // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden, dtype=params_dtype or torch.get_default_dtype()),
+                                   requires_grad=False)
+        self.weight.output_dim = 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        from kvserve.distributed.parallel_state import tensor_parallel_all_reduce
+
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return tensor_parallel_all_reduce(out)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(loaded)
+        _copy_into(param.data, loaded.narrow(0, self.vocab_start, self.shard_size), "embedding")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding (so tied weights shard alike);
+    logits are gathered so that every rank holds the full row."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        from kvserve.distributed.parallel_state import tensor_parallel_all_gather
+
+        return tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+
+
+VocabEmbedding = VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -151,7 +292,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(loaded)
+        _copy_into(param.data, loaded, "weight")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -1,6 +1,9 @@
-"""How a linear layer holds and applies its weight: the hook that quantization (and tensor parallelism)
-plug into. A layer never creates its own weight; its method registers the parameters it needs, each
-tagged with how a checkpoint tensor maps onto it, so one weight_loader serves every method."""
+"""How a linear layer holds and applies its weights: the hook quantization methods plug into.
+
+A linear layer never creates its weight itself; its method does (`create_weights`), tagging each
+Parameter with how checkpoint tensors map onto it (`output_dim`, `input_dim`, `packed_dim` +
+`pack_factor`), so the layer's weight_loader can cut this rank's tensor-parallel slice for any method.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +12,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def set_weight_attrs(param: nn.Parameter, **attrs) -> None:
-    """Loading attributes of a parameter: output_dim / input_dim (the dims indexed by output / input
-    features, or None), packed_dim + pack_factor (that dim holds pack_factor values per element)."""
+def set_weight_attrs(param: nn.Parameter, attrs: dict) -> None:
     for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
         setattr(param, key, value)
 
 
-def new_param(shape, dtype, **attrs) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    set_weight_attrs(param, **{"output_dim": None, "input_dim": None, **attrs})
-    return param
-
-
 class LinearMethodBase:
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
+        """Called once every weight is loaded (repacking, transposes, quantizing a float checkpoint)."""
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
+    """weight [out_per_partition, in_per_partition] in the serving dtype; y = x W^T (+ b)."""
+
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype):
-        weight = new_param((sum(output_partition_sizes), input_size_per_partition), params_dtype,
-                           output_dim=0, input_dim=1)
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):

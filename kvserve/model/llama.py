@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_parallel_state
 from kvserve.model.layers import (
-    MergedColumnLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    ColumnParallelLinear,
-    VocabEmbedding,
+    VocabParallelEmbedding,
+    as_tensor,
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
@@ -27,20 +29,27 @@ from kvserve.ops.attention_backend import AttentionBackend
 from kvserve.ops.attention_metadata import AttentionMetadata
 
 
+def _quant_method(quant_config, prefix: str):
+    """The linear method a quantization config gives the layer named `prefix` (None: unquantized)."""
+    return quant_config.get_quant_method(prefix) if quant_config is not None else None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
                  prefix: str = ""):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias,
+                                          quant_method=_quant_method(quant_config, f"{prefix}.qkv_proj"))
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, cfg.attention_bias,
-                                  quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        quant_method=_quant_method(quant_config, f"{prefix}.o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -80,11 +89,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                               quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       quant_method=_quant_method(quant_config, f"{prefix}.gate_up_proj"))
+        self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           quant_method=_quant_method(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -126,36 +135,69 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, quant_config=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 layer_range: tuple[int, int] | None = None, quant_config=None):
+        """layer_range: the decoder layers this pipeline stage runs (default: all)."""
         super().__init__()
         self.config = cfg
+        ps = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
+        self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
+        # Layers of other stages are empty placeholders, so parameter names stay the checkpoint's.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, quant_config, f"layers.{i}") for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, rotary, backend, quant_config, f"layers.{i}") if self.start_layer <= i < self.end_layer
+            else nn.Module()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.norm = self.lm_head = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor
+            else:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         # Shared by all layers; registered once here so .to(device) moves it once.
         self.rotary = rotary
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[self.start_layer].self_attn.num_kv_heads
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of our parameters that were filled."""
+    def _on_this_rank(self, name: str) -> bool:
+        """Whether a checkpoint tensor (our name) belongs to this pipeline stage."""
+        if name.startswith("layers."):
+            return self.start_layer <= int(name.split(".", 2)[1]) < self.end_layer
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        return self.is_last_stage  # norm, lm_head
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Load HF-named tensors (or lazy slices, read only for this rank's part); returns the names of our
+        parameters that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -164,24 +206,38 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if self._load_kv_scale(name, tensor):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            shard = None
-            for hf_part, (our_part, shard_id) in self._MERGED.items():
-                if hf_part in name:
-                    name, shard = name.replace(hf_part, our_part), shard_id
-                    break
-            param = params.get(name)
-            if param is None and name.endswith(".bias") and not tensor.any():
-                continue  # GPTQ tools save all-zero biases for layers that have none
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            with torch.no_grad():
-                owner.weight_loader(param, tensor, shard)
-            loaded.add(name)
+            targets = [name]
+            if name == "embed_tokens.weight" and self.config.tie_word_embeddings and self.is_last_stage \
+                    and self.lm_head.weight is not getattr(self.embed_tokens, "weight", None):
+                targets = ["lm_head.weight"] + ([name] if self.embed_tokens is not None else [])
+            elif not self._on_this_rank(name):
+                continue
+            for target in targets:
+                loaded.add(self._load_one(params, target, tensor))
         return loaded
 
+    def _load_one(self, params: dict, name: str, tensor) -> str:
+        shard = None
+        for hf_part, (our_part, shard_id) in self._MERGED.items():
+            if hf_part in name:
+                name, shard = name.replace(hf_part, our_part), shard_id
+                break
+        param = params.get(name)
+        if param is None and name.endswith(".bias") and not as_tensor(tensor).any():
+            return name  # GPTQ tools save all-zero biases for layers that have none
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        owner = self.get_submodule(name.rsplit(".", 1)[0])
+        loader = getattr(param, "weight_loader", None) or owner.weight_loader
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard)
+        except ValueError as exc:  # name the layer, and the expected layout of a quantized tensor
+            hint = getattr(param, "format_hint", None)
+            raise ValueError(f"{name}: {exc}" + (f"; expected layout {hint}" if hint else "")) from None
+        return name
 
     _KV_SCALE_NAMES = {  # checkpoint suffix -> our buffer (llm-compressor writes the first two forms)
         ".self_attn.k_scale": "k_scale", ".self_attn.v_scale": "v_scale",
@@ -189,12 +245,13 @@ class LlamaForCausalLM(nn.Module):
         ".self_attn.k_proj.k_scale": "k_scale", ".self_attn.v_proj.v_scale": "v_scale",
     }
 
-    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
-        """Per-tensor KV cache scales of FP8-KV checkpoints; the largest if a checkpoint has several."""
+    def _load_kv_scale(self, name: str, tensor) -> bool:
+        """Per-tensor KV cache scales of FP8-KV checkpoints (the largest, if a checkpoint has several)."""
         for suffix, buffer in self._KV_SCALE_NAMES.items():
             if name.endswith(suffix):
-                attn = self.get_submodule(name[: -len(suffix)] + ".self_attn")
-                getattr(attn, buffer).copy_(tensor.float().max().reshape(1))
+                if self._on_this_rank(name):
+                    attn = self.get_submodule(name[: -len(suffix)] + ".self_attn")
+                    getattr(attn, buffer).copy_(as_tensor(tensor).float().max().reshape(1))
                 return True
         return False
 

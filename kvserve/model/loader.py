@@ -17,7 +17,36 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A safetensors tensor not read yet: `narrow` only records the range, `load` reads just that range,
+    so a tensor-parallel rank reads its own slice of each weight (host memory ~ its shard, not the model)."""
+
+    def __init__(self, lazy, shape, ranges=None):
+        self._lazy = lazy
+        self.shape = torch.Size(shape)
+        self._ranges = ranges or [(0, n) for n in shape]
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        dim %= len(self.shape)
+        if start < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) is outside dimension {dim} of size {self.shape[dim]}")
+        base = self._ranges[dim][0]
+        ranges = list(self._ranges)
+        ranges[dim] = (base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return CheckpointSlice(self._lazy, shape, ranges)
+
+    def reshape(self, *shape) -> torch.Tensor:
+        return self.load().reshape(*shape)
+
+    def load(self) -> torch.Tensor:
+        if not self.shape:  # a scalar
+            return self._lazy[...]
+        return self._lazy[tuple(slice(a, b) for a, b in self._ranges)]
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -26,7 +55,8 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                lazy = f.get_slice(name)
+                yield name, CheckpointSlice(lazy, lazy.get_shape())
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -49,17 +79,15 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
 
 
 def _fill_dummy_quantized(name: str, param: torch.nn.Parameter, gen: torch.Generator) -> None:
-    """Packed int weights: random bit patterns (uniform 4/8-bit values); int zero points: all fields 8 or
-    128 for 4/8-bit (mid-range, so weights are centred); g_idx is left as created; fp8: uniform values.
-    Scales come out of the float branch at 1e-2-ish, which with int values of +-8 keeps the weights small."""
+    """Packed int weights: random bit patterns (uniform 4/8-bit values); int zero points: every field at
+    mid-range (8 or 128), so weights are centred; g_idx is left as created; fp8: uniform values."""
     if name.endswith("g_idx"):
         return
     if name.endswith("qzeros"):
         bits = 32 // param.pack_factor
-        mid = 1 << (bits - 1)
         word = 0
         for i in range(param.pack_factor):
-            word |= mid << (i * bits)
+            word |= (1 << (bits - 1)) << (i * bits)
         param.data.fill_(word - (1 << 32) if word >= 1 << 31 else word)
         return
     if param.dtype == torch.int32:
@@ -78,17 +106,18 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int,
     seed: int = 0,
+    layer_range: tuple[int, int] | None = None,
     quant_config=None,
 ) -> torch.nn.Module:
     model_cls = MODEL_REGISTRY[cfg.architecture]
     torch_dtype = DTYPES[dtype]
-    # Float parameters are created in the serving dtype; a quantization method picks its own dtypes
-    # (int32 packed, fp8) and the loader never casts those. Rotary caches are fp32 explicitly (as HF's).
+    # Float parameters are created in the serving dtype (a linear method may choose others: those stay);
+    # rotary caches are built in fp32 explicitly (HF computes cos/sin in fp32 too).
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg, backend, max_positions, quant_config=quant_config)
+            model = model_cls(cfg, backend, max_positions, layer_range, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
 
@@ -111,7 +140,6 @@ def load_model(
 
 
 def _process_weights_after_loading(model: torch.nn.Module) -> None:
-    """Repacking, transposes, fp8 quantization of a float checkpoint: once every tensor is in."""
     with torch.no_grad():
         for module in model.modules():
             method = getattr(module, "quant_method", None)

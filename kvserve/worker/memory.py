@@ -92,8 +92,12 @@ def kv_cache_bytes_gpu(
     non_torch = max(0, (free_at_start - free_now) - (torch.cuda.memory_reserved() - reserved_at_start))
     graph_reserve = 0
     if not args.enforce_eager:
-        # Decode graphs hold activations for up to max_num_seqs tokens; a margin for the pool's slack.
-        graph_reserve = int(peak_activation * min(1.0, args.max_num_seqs / config.max_num_batched_tokens) * 1.5) + 64 * (1 << 20)
+        # Graphs hold activations for up to max(max_num_seqs, largest mixed graph) tokens; a margin for
+        # the pool's slack.
+        from kvserve.worker.cuda_graphs import mixed_capture_sizes
+
+        graph_tokens = max([args.max_num_seqs, *mixed_capture_sizes(config.max_num_batched_tokens)])
+        graph_reserve = int(peak_activation * min(1.0, graph_tokens / config.max_num_batched_tokens) * 1.5) + 64 * (1 << 20)
     budget = int(total * args.gpu_memory_utilization)
     kv_bytes = budget - others - weights - peak_activation - non_torch - graph_reserve
     logger.info(

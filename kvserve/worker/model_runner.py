@@ -9,10 +9,11 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_next_stage
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
-from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
@@ -59,7 +60,8 @@ class BlockTables:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, layer_range: tuple[int, int] | None = None):
+        """layer_range: the decoder layers of this pipeline stage (default: all)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -79,6 +81,7 @@ class ModelRunner:
             self.backend,
             max_positions=config.max_model_len,
             seed=config.args.seed,
+            layer_range=layer_range,
             quant_config=config.quant_config,
         )
         self.kv_caches: list[torch.Tensor] = []
@@ -97,14 +100,15 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return self.model_config.kv_bytes_per_token(elem) * self.block_size
+        model = self.model
+        return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        cfg = self.model_config
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
@@ -117,10 +121,13 @@ class ModelRunner:
         if choose is None:
             return None
         padded = next((s for s in self.graph_sizes if s >= num_reqs), num_reqs)
-        return choose(padded, self.model_config.num_key_value_heads, 1, self.max_model_len)
+        return choose(padded, self.model.num_local_kv_heads, 1, self.max_model_len)
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.args.enforce_eager:
+            return
+        if self.config.args.pipeline_parallel_size > 1:
+            logger.info("CUDA graphs are not captured with pipeline parallelism; running eagerly")
             return
         if self.config.attention_backend != "triton":
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
@@ -128,6 +135,8 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
+            mixed_sizes=mixed_capture_sizes(self.config.max_num_batched_tokens),
+            max_num_seqs=self.config.args.max_num_seqs,
         )
         self.graph_runner.capture()
 
@@ -147,7 +156,14 @@ class ModelRunner:
             starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
             placeholders=NO_PLACEHOLDERS,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta)
+        intermediate = None
+        if not self.model.is_first_stage:
+            zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            intermediate = (zeros, zeros.clone())
+        hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta, intermediate)
+        if not self.model.is_last_stage:
+            del scratch, hidden
+            return
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
         meta_s = SamplingMetadata(
@@ -249,20 +265,31 @@ class ModelRunner:
         inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows, placeholders)
         return inputs, meta, logits_rows
 
-    def _run_decode_graph(self, out: SchedulerOutput):
-        """Decode-only steps that fit a captured graph: hidden states of every row (each samples),
-        or None when the step must run eagerly."""
+    def _run_graph(self, out: SchedulerOutput):
+        """Steps that fit a captured graph: (hidden states of the rows that sample, those rows), or None
+        when the step must run eagerly."""
         graphs = self.graph_runner
+        if graphs is None:
+            return None
+        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
+            return None
         num_reqs = len(out.scheduled)
-        if graphs is None or graphs.padded_size(num_reqs) is None:
+        decode_only = all(len(s.token_ids) == 1 for s in out.scheduled)
+        if decode_only and graphs.padded_size(num_reqs) is not None:
+            token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
+            _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+            hidden = graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
+                                placeholders, self.last_sampled)
+            return hidden, list(range(num_reqs))  # decode: one token per request, every one samples
+        num_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        if graphs.mixed_padded_size(num_tokens) is None:
             return None
-        if any(len(s.token_ids) != 1 or getattr(s.sampling_params, "prompt_logprobs", None) is not None
-               for s in out.scheduled):
-            return None
-        token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
-        _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-        return graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
-                          placeholders, self.last_sampled)
+        token_ids, q_lens, starts, tables, rows, placeholders = self._host_arrays(out)
+        qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
+        logits_indices = qsl[1:][rows] - 1
+        hidden = graphs.run_mixed(token_ids, positions, slot_mapping, qsl, starts + q_lens, tables,
+                                  logits_indices, placeholders, self.last_sampled)
+        return hidden, rows
 
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
@@ -274,23 +301,31 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return PendingOutput.empty()
-        if self.calculate_kv_scales_pending:
-            # The first real batch (a prefill: never a decode graph) computes the scales; graphs read the
-            # scale buffers by address, so they see the values.
+        calculate_kv_scales = self.calculate_kv_scales_pending
+        if calculate_kv_scales:
+            # The first real batch computes the scales, eagerly (a graph replay would skip the Python
+            # branch); graphs read the scale buffers by address, so later replays see the values.
             self.calculate_kv_scales_pending = False
             for module in self.model.modules():
                 if hasattr(module, "calculate_kv_scales"):
                     module.calculate_kv_scales = True
         num_reqs = len(out.scheduled)
-        hidden = self._run_decode_graph(out)
-        if hidden is not None:
-            rows = list(range(num_reqs))
-            logits_input = hidden  # decode: one token per request, every one samples
+        graph_out = None if calculate_kv_scales else self._run_graph(out)
+        if graph_out is not None:
+            logits_input, rows = graph_out
         else:
             inputs, meta, rows = self.prepare_inputs(out)
             if meta.max_query_len == 1:
                 meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            model = self.model
+            intermediate = None
+            if not model.is_first_stage:  # the previous stage's hidden states and residual
+                shape = (meta.num_actual_tokens, self.model_config.hidden_size)
+                intermediate = recv_from_prev_stage([shape, shape], self.dtype, self.device)
+            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, meta, intermediate)
+            if not model.is_last_stage:  # only the last stage computes logits and samples
+                send_to_next_stage(list(hidden))
+                return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if rows else None
         prompt_logprobs = {}
         if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):

@@ -265,6 +265,13 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         server.should_exit = True
 
     state.request_exit = request_exit
+
+    def engine_crashed():  # e.g. a worker process died: /health turns 503 and the server exits 1
+        logger.error("The engine died; shutting down with exit code 1.")
+        state.exit_code = 1
+        request_exit()
+
+    state.engine.on_crashed = engine_crashed
     logger.info("Starting server on http://%s:%d (model %s)", host, port, settings.served_model_name)
     server.run()
     return state.exit_code

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.linear_method import LinearMethodBase, new_param
-from kvserve.model.quantization.base import QuantizationConfig, check_choice, check_divisible
+from kvserve.model.linear_method import LinearMethodBase
+from kvserve.model.quantization.base import QuantizationConfig, new_param, check_choice, check_divisible
 from kvserve.model.quantization.int_weights import IntWeights, pack_rows, unpack_cols
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -43,23 +43,23 @@ class AWQConfig(QuantizationConfig):
             modules_to_not_convert=q.get("modules_to_not_convert") or [],
         )
 
-    def get_quant_method(self, layer, prefix):
+    def get_quant_method(self, prefix):
         if self.skipped(prefix, self.modules_to_not_convert):
             return None
-        return AWQLinearMethod(self)
+        return AWQLinearMethod(self, prefix)
 
 
 class AWQLinearMethod(LinearMethodBase):
-    def __init__(self, cfg: AWQConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: AWQConfig, prefix: str = ""):
+        self.cfg, self.prefix = cfg, prefix
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype):
         g, pack = self.cfg.group_size, 32 // self.cfg.bits
         k, n = input_size_per_partition, sum(output_partition_sizes)
-        check_divisible("awq", layer.prefix, "input size", k, g, f"group_size {g}")
+        check_divisible("awq", self.prefix, "input size", k, g, f"group_size {g}")
         for part in output_partition_sizes:
-            check_divisible("awq", layer.prefix, "output size", part, pack, f"{pack} values per int32")
+            check_divisible("awq", self.prefix, "output size", part, pack, f"{pack} values per int32")
         packed = dict(input_dim=0, output_dim=1, packed_dim=1, pack_factor=pack)
         layer.register_parameter("qweight", new_param((k, n // pack), torch.int32, **packed,
                                                       format_hint="awq qweight: int32 [in, out/8]"))

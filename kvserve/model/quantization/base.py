@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from kvserve.model.linear_method import LinearMethodBase
+import torch
+from torch import nn
+
+from kvserve.model.linear_method import LinearMethodBase, set_weight_attrs
+
+
+def new_param(shape, dtype, **attrs) -> nn.Parameter:
+    """A parameter tagged for the layers' weight loaders (output_dim / input_dim, packed_dim + pack_factor;
+    both dims None: loaded as it is), plus format_hint, named in shape errors."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    set_weight_attrs(param, {"output_dim": None, "input_dim": None, **attrs})
+    return param
 
 
 class QuantizationConfig:
@@ -14,7 +25,7 @@ class QuantizationConfig:
     # Bits a linear weight element costs in memory, scales and zeros included (sizing before load).
     bits_per_weight: float = 16.0
 
-    def get_quant_method(self, layer, prefix: str) -> LinearMethodBase | None:
+    def get_quant_method(self, prefix: str) -> LinearMethodBase | None:
         raise NotImplementedError
 
     @classmethod

@@ -49,7 +49,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                 check_choice("static input_activations strategy", a.get("strategy"), ("tensor",), "compressed-tensors")
         return cls(w["strategy"], static_input, q.get("ignore") or [])
 
-    def get_quant_method(self, layer, prefix):
+    def get_quant_method(self, prefix):
         if self.skipped(prefix, self.ignore):
             return None
         return Fp8LinearMethod(checkpoint_is_fp8=True, weight_strategy=self.weight_strategy,

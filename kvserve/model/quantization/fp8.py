@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from kvserve.model.linear_method import LinearMethodBase, new_param
-from kvserve.model.quantization.base import QuantizationConfig, check_choice
+from kvserve.model.linear_method import LinearMethodBase
+from kvserve.model.quantization.base import QuantizationConfig, new_param, check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,19 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def load_per_tensor_scale(param, loaded, shard_id=None) -> None:
+    """A scalar scale per checkpoint tensor; a merged layer keeps one slot per part (q/k/v, gate/up)."""
+    from kvserve.model.layers import as_tensor
+
+    value = as_tensor(loaded).float().reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"per-tensor scale: checkpoint tensor has {value.numel()} values, expected 1")
+    param.data[0 if shard_id is None else _SHARD_INDEX.get(shard_id, shard_id)] = value[0]
 
 
 _fp8_support_logged = False
@@ -79,7 +92,7 @@ class Fp8Config(QuantizationConfig):
         return cls(checkpoint_is_fp8=True, activation_scheme=str(q.get("activation_scheme", "dynamic")),
                    ignored_layers=q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
 
-    def get_quant_method(self, layer, prefix):
+    def get_quant_method(self, prefix):
         if self.skipped(prefix, self.ignored_layers):
             return None
         return Fp8LinearMethod(self.checkpoint_is_fp8, self.weight_strategy, self.activation_scheme == "static")
@@ -105,11 +118,13 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.weight_strategy == "channel":
             scale = new_param((n, 1), torch.float32, output_dim=0, format_hint="fp8 weight_scale: float32 [out, 1]")
         else:
-            scale = new_param((parts,), torch.float32, format_hint="fp8 weight_scale: float32 scalar per tensor")
+            scale = new_param((parts,), torch.float32, format_hint="fp8 weight_scale: float32 scalar per tensor",
+                              weight_loader=load_per_tensor_scale)
         scale.data.fill_(1.0)
         layer.register_parameter("weight_scale", scale)
         if self.static_input:
-            input_scale = new_param((parts,), torch.float32, format_hint="fp8 input_scale: float32 scalar per tensor")
+            input_scale = new_param((parts,), torch.float32, format_hint="fp8 input_scale: float32 scalar per tensor",
+                                    weight_loader=load_per_tensor_scale)
             input_scale.data.fill_(1.0)
             layer.register_parameter("input_scale", input_scale)
 

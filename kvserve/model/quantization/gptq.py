@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.linear_method import LinearMethodBase, new_param
-from kvserve.model.quantization.base import QuantizationConfig, check_choice, check_divisible
+from kvserve.model.linear_method import LinearMethodBase
+from kvserve.model.quantization.base import QuantizationConfig, new_param, check_choice, check_divisible
 from kvserve.model.quantization.int_weights import IntWeights, unpack_cols
 
 SUPPORTED_BITS = (4, 8)
@@ -49,26 +49,26 @@ class GPTQConfig(QuantizationConfig):
             modules_to_not_convert=q.get("modules_to_not_convert") or [],
         )
 
-    def get_quant_method(self, layer, prefix):
+    def get_quant_method(self, prefix):
         if self.skipped(prefix, self.modules_to_not_convert):
             return None
-        return GPTQLinearMethod(self)
+        return GPTQLinearMethod(self, prefix)
 
 
 class GPTQLinearMethod(LinearMethodBase):
-    def __init__(self, cfg: GPTQConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: GPTQConfig, prefix: str = ""):
+        self.cfg, self.prefix = cfg, prefix
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype):
         bits, g = self.cfg.bits, self.cfg.group_size
         pack = 32 // bits
         k, n = input_size_per_partition, sum(output_partition_sizes)
-        check_divisible("gptq", layer.prefix, "input size", k, pack, f"{pack} {bits}-bit values per int32")
+        check_divisible("gptq", self.prefix, "input size", k, pack, f"{pack} {bits}-bit values per int32")
         if g > 0:
-            check_divisible("gptq", layer.prefix, "input size", k, g, f"group_size {g}")
+            check_divisible("gptq", self.prefix, "input size", k, g, f"group_size {g}")
         for part in output_partition_sizes:
-            check_divisible("gptq", layer.prefix, "output size", part, pack, f"{pack} zero points per int32")
+            check_divisible("gptq", self.prefix, "output size", part, pack, f"{pack} zero points per int32")
         groups = k // g if g > 0 else 1
         layer.register_parameter("qweight", new_param(
             (k // pack, n), torch.int32, input_dim=0, output_dim=1, packed_dim=0, pack_factor=pack,
@@ -88,7 +88,7 @@ class GPTQLinearMethod(LinearMethodBase):
         g_idx = layer.g_idx.data
         if self.cfg.desc_act:
             if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-                raise ValueError(f"gptq: layer {layer.prefix}: g_idx has groups outside [0, {groups}); "
+                raise ValueError(f"gptq: layer {self.prefix}: g_idx has groups outside [0, {groups}); "
                                  f"the checkpoint is corrupt.")
         else:
             g_idx = None  # consecutive groups: the kernels compute k // group_size

@@ -1,0 +1,81 @@
+"""The engine's view of its devices: an executor starts one worker per rank, sizes the KV cache with
+them (one block count: the minimum any rank can hold), sends each step and hands back its result."""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.config import EngineConfig
+from kvserve.worker import memory
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died or failed: the engine cannot run another step (in-flight requests fail, it exits)."""
+
+
+class Executor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    @staticmethod
+    def create(config: EngineConfig) -> Executor:
+        backend = config.args.executor_backend
+        if backend == "uni":
+            from kvserve.executor.uni_executor import UniExecutor
+
+            return UniExecutor(config)
+        if backend == "mp":
+            from kvserve.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor(config)
+        from kvserve.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+
+    # ---- implemented per backend ----------------------------------------------------------------
+    def collective_rpc(self, method: str, *args) -> list:
+        """Calls Worker.method(*args) on every rank; their results in rank order."""
+        raise NotImplementedError
+
+    def execute_async(self, sched_out):
+        """Launches one step on every rank; returns an object whose result() is the RunnerOutput."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raises ExecutorDeadError when a worker is gone."""
+
+    def shutdown(self) -> None:
+        pass
+
+    # ---- shared ----------------------------------------------------------------------------------
+    def initialize(self) -> int:
+        """Sizes and allocates the KV cache on every rank; returns the number of blocks."""
+        config = self.config
+        sizes = self.collective_rpc("determine_kv_cache_bytes")
+        per_rank = [kv_bytes // per_block for kv_bytes, per_block in sizes]
+        limiting = min(range(len(sizes)), key=lambda r: per_rank[r])
+        num_blocks = per_rank[limiting]
+        kv_bytes, per_block = sizes[limiting]
+        if len(sizes) > 1:
+            logger.info("KV blocks per rank: %s; using the minimum, %d (rank %d)", per_rank, num_blocks, limiting)
+        memory.check_max_model_len_fits(config, num_blocks, per_block, kv_bytes)
+        memory.log_kv_cache(config, num_blocks, kv_bytes)
+        self.collective_rpc("initialize_kv_cache", num_blocks)
+        self.log_layout()
+        return num_blocks
+
+    def log_layout(self) -> None:
+        ranks = self.collective_rpc("describe")
+        args = self.config.args
+        logger.info("Layout: %d rank(s), tensor parallel %d x pipeline parallel %d, executor %s",
+                    len(ranks), args.tensor_parallel_size, args.pipeline_parallel_size, args.executor_backend)
+        for r in ranks:
+            start, end = r["layers"]
+            logger.info("  rank %d (tp %d, pp %d) on node %s pid %d device %s: layers %d-%d; weights %.3f GiB, "
+                        "KV cache %.3f GiB", r["rank"], r["tp_rank"], r["pp_rank"], r["node"], r["pid"], r["device"],
+                        start, end - 1, r["weights_bytes"] / GiB, r["kv_bytes"] / GiB)
+        self.layout = ranks

@@ -1,0 +1,94 @@
+"""One device's worker: joins the process groups, loads its shard of the model, sizes its KV-cache shard
+and runs steps. The executor drives one Worker per rank (in this process for `uni`, in a worker process
+or Ray actor otherwise)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.distributed.parallel_state import get_parallel_state, init_distributed
+from kvserve.model.loader import DTYPES
+from kvserve.worker import memory
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None):
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.runner = None
+        self.layer_range = None
+        self._memory_at_start = None
+        self.weights_bytes = 0
+        self.kv_bytes = 0
+
+    def init_device(self) -> None:
+        config, args = self.config, self.config.args
+        if config.device == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        if args.world_size > 1:
+            init_distributed(self.rank, args.tensor_parallel_size, args.pipeline_parallel_size,
+                             self.distributed_init_method, "nccl" if config.device == "cuda" else "gloo")
+        # Every rank draws the same random numbers: tensor-parallel ranks sample identical tokens.
+        torch.manual_seed(args.seed)
+
+    def load_model(self) -> None:
+        from kvserve.worker.model_runner import ModelRunner
+
+        config = self.config
+        ps = get_parallel_state()
+        if config.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            self._memory_at_start = (free, total, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+            if ps.world_size == 1:
+                memory.check_weights_fit(config, free, total, torch.empty((), dtype=DTYPES[config.dtype]).element_size())
+        self.layer_range = (config.layer_ranges[ps.pp_rank] if config.layer_ranges
+                            else (0, config.model_config.num_hidden_layers))
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(config, self.layer_range)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        logger.info("rank %d: loaded %s in %.1f s (%s, %s)", self.rank, config.model_path,
+                    time.perf_counter() - t0, config.dtype, config.device)
+        logger.info("rank %d: model weights take %.4f GiB as stored (quantization: %s)", self.rank,
+                    self.weights_bytes / memory.GiB,
+                    config.quant_config.name if config.quant_config is not None else "none")
+
+    def determine_kv_cache_bytes(self) -> tuple[int, int]:
+        """(bytes this rank can give its KV cache, bytes one block takes on this rank)."""
+        config, args, runner = self.config, self.config.args, self.runner
+        bytes_per_block = runner.kv_bytes_per_block()
+        if args.num_gpu_blocks_override is not None:
+            kv_bytes = args.num_gpu_blocks_override * bytes_per_block
+        elif args.kv_cache_memory_bytes is not None or config.device != "cuda":
+            kv_bytes = memory.kv_cache_bytes_cpu(config, bytes_per_block)
+        else:
+            kv_bytes = memory.kv_cache_bytes_gpu(config, runner, *self._memory_at_start)
+        return kv_bytes, bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_bytes = num_blocks * self.runner.kv_bytes_per_block()
+        self.runner.capture_cuda_graphs(self.config.args.max_num_seqs)
+
+    def execute_model(self, sched_out):
+        return self.runner.execute_async(sched_out)
+
+    def describe(self) -> dict:
+        """Where this rank runs and what it holds (the start-up layout log)."""
+        ps = get_parallel_state()
+        device = f"cuda:{torch.cuda.current_device()}" if self.config.device == "cuda" else "cpu"
+        return dict(rank=self.rank, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, node=socket.gethostname(),
+                    pid=os.getpid(), device=device, layers=self.layer_range, weights_bytes=self.weights_bytes,
+                    kv_bytes=self.kv_bytes)

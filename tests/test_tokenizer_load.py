@@ -1,0 +1,33 @@
+"""load_tokenizer skips transformers' defensive deep copy of the freshly parsed tokenizer.json (a second
+full parse): the tokenizer it returns must behave exactly like AutoTokenizer's."""
+
+from pathlib import Path
+
+import pytest
+
+# The team's shared/ folder sits beside the checkout (CI lays a copy there); never part of the package.
+LLAMA31 = next((base / "shared" / "tokenizers" / "llama-3.1" for base in Path(__file__).resolve().parents
+                if (base / "shared" / "tokenizers" / "llama-3.1" / "tokenizer.json").exists()), Path("/nonexistent"))
+
+
+@pytest.mark.skipif(not (LLAMA31 / "tokenizer.json").exists(), reason="the Llama 3.1 tokenizer folder is not beside the checkout")
+def test_fast_load_equals_autotokenizer():
+    import copy
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from kvserve.model.default_model import load_tokenizer
+
+    ours = load_tokenizer(LLAMA31)
+    reference = AutoTokenizer.from_pretrained(str(LLAMA31))
+    text = "Hello <|eot_id|> world ÿ 你好, 3.14 — tabs\tand\nnewlines " * 3
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ours(text)["input_ids"] == reference(text)["input_ids"]
+    assert ours.decode(ours(text)["input_ids"]) == reference.decode(reference(text)["input_ids"])
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == \
+        (reference.eos_token_id, reference.bos_token_id, reference.all_special_ids)
+    # The shortcut is scoped to the load: deep copies made afterwards are real copies again.
+    assert Tokenizer not in copy._deepcopy_dispatch
