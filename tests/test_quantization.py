@@ -167,3 +167,15 @@ def test_corrupt_qweight_shape_is_rejected(quantized, tmp_path):
     with pytest.raises(ValueError, match=r"down_proj\.qweight: weight: checkpoint tensor has dtype torch.float32, but the layer's "
                                          r"quantization method expects torch.int32"):
         LLM(str(bad), max_model_len=256, kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.mark.parametrize("method,opt", [("awq", {"group_size": 32}),
+                                        ("gptq", {"bits": 4, "group_size": 32, "sym": False, "desc_act": True})])
+def test_quantized_checkpoint_with_tensor_parallelism(quantized, method, opt):
+    """TP=2 (two CPU processes): packed tensors, scales and act-order g_idx are cut per rank by the
+    layers' loaders; same greedy tokens as one process."""
+    qdir, _ = quantized("llama", method, **opt)
+    prompts = random_prompts(3, 5, 40, seed=11)
+    _, single = _greedy(qdir, prompts)
+    _, tp2 = _greedy(qdir, prompts, tensor_parallel_size=2)
+    assert tp2 == single

@@ -70,13 +70,18 @@ class GPTQLinearMethod(LinearMethodBase):
         for part in output_partition_sizes:
             check_divisible("gptq", self.prefix, "output size", part, pack, f"{pack} zero points per int32")
         groups = k // g if g > 0 else 1
+        # Act-order with the input split over TP ranks (row-parallel): a rank's rows belong to any group,
+        # so every rank keeps all groups' scales and zeros (g_idx, split with the rows, indexes them).
+        group_dim = 0
+        if self.cfg.desc_act and g > 0 and input_size != k:
+            groups, group_dim = input_size // g, None
         layer.register_parameter("qweight", new_param(
             (k // pack, n), torch.int32, input_dim=0, output_dim=1, packed_dim=0, pack_factor=pack,
             format_hint=f"gptq {bits}-bit qweight: int32 [in/{pack}, out]"))
         layer.register_parameter("qzeros", new_param(
-            (groups, n // pack), torch.int32, input_dim=0, output_dim=1, packed_dim=1, pack_factor=pack,
+            (groups, n // pack), torch.int32, input_dim=group_dim, output_dim=1, packed_dim=1, pack_factor=pack,
             format_hint=f"gptq {bits}-bit qzeros: int32 [groups, out/{pack}]"))
-        layer.register_parameter("scales", new_param((groups, n), params_dtype, input_dim=0, output_dim=1,
+        layer.register_parameter("scales", new_param((groups, n), params_dtype, input_dim=group_dim, output_dim=1,
                                                      format_hint="gptq scales: [groups, out]"))
         layer.register_parameter("g_idx", new_param((k,), torch.int32, input_dim=0, format_hint="gptq g_idx: int32 [in]"))
         layer.g_idx.data.copy_(torch.arange(k, dtype=torch.int32) // (g if g > 0 else k))
