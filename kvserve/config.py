@@ -11,6 +11,7 @@ from kvserve.model.model_config import ModelConfig
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -24,7 +25,7 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={"help": "Context length (prompt + output); default: the model's.", "group": "Model"})
     load_format: str = field(default="auto", metadata={"help": "auto | safetensors | gguf | dummy (random weights from the config).", "group": "Model"})
     seed: int = field(default=0, metadata={"help": "Random seed for requests without their own seed and for dummy weights.", "group": "Model"})
-    quantization: str | None = field(default=None, metadata={"help": "Weight quantization (none supported yet).", "group": "Model"})
+    quantization: str | None = field(default=None, metadata={"help": "Weight quantization: awq | gptq | fp8 | compressed-tensors. Default: what the checkpoint's config.json says; fp8 on an unquantized checkpoint quantizes it at load (W8A8).", "group": "Model"})
     max_logprobs: int = field(default=20, metadata={"help": "Most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: no limit (then -1, the whole vocabulary, is allowed).", "group": "Model"})
     max_n: int = field(default=128, metadata={"help": "Most samples (n) one request may ask for (OpenAI's limit is 128).", "group": "Model"})
     # Cache
@@ -33,7 +34,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV cache size in bytes; overrides gpu_memory_utilization. On CPU the default is 2 GiB.", "group": "Cache"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "Exact number of KV blocks (testing).", "group": "Cache"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV blocks of shared prompt prefixes.", "group": "Cache"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype (auto = model dtype).", "group": "Cache"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (= model dtype) | fp8 | fp8_e4m3 (e4m3 with per-tensor k/v scales: twice the tokens).", "group": "Cache"})
+    calculate_kv_scales: bool = field(default=False, metadata={"help": "With --kv-cache-dtype fp8: compute k_scale/v_scale from the first batch instead of the checkpoint's (or 1.0).", "group": "Cache"})
     swap_space: float = field(default=0, metadata={"help": "CPU memory in GiB (pinned on CUDA) that holds the K/V of requests preempted with --preemption-mode swap or auto.", "group": "Cache"})
     # Scheduler
     max_num_seqs: int = field(default=256, metadata={"help": "Most requests in one step.", "group": "Scheduler"})
@@ -91,10 +93,11 @@ class EngineArgs:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             bad("distributed_executor_backend", f"uni runs one device in this process; --tensor-parallel-size "
                 f"{self.tensor_parallel_size} x --pipeline-parallel-size {self.pipeline_parallel_size} needs mp or ray.")
-        if self.quantization not in (None, "none"):
-            bad("quantization", f"{self.quantization!r} is not supported yet; leave it unset.")
-        if self.kv_cache_dtype not in ("auto",):
-            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not supported yet; use auto.")
+        from kvserve.model.quantization import normalize_method
+
+        normalize_method(self.quantization)
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {', '.join(_KV_CACHE_DTYPES)}.")
         if self.swap_space is None or self.swap_space < 0:
             bad("swap_space", f"must be >= 0 GiB, got {self.swap_space}.")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
@@ -148,6 +151,8 @@ class EngineConfig:
     attention_backend: str
     async_scheduling: bool
     layer_ranges: list = field(default_factory=list)  # [(first, end)] decoder layers per pipeline stage
+    quant_config: object = None  # kvserve.model.quantization.QuantizationConfig, or None
+    kv_cache_dtype: str = "auto"  # the KV cache's storage: "auto" (= dtype) or "fp8_e4m3"
 
     @classmethod
     def from_args(cls, args: EngineArgs, count_devices: bool = True) -> "EngineConfig":
@@ -165,6 +170,11 @@ class EngineConfig:
                     f".gguf files only; leave the model unset for the embedded SmolLM2."
                 )
         model_config = ModelConfig.from_path(model_path)
+        from kvserve.model.model_config import load_hf_config_dict
+        from kvserve.model.quantization import resolve_quant_config
+
+        quant_config = resolve_quant_config(args.quantization, load_hf_config_dict(model_path),
+                                            is_gguf=model_path.suffix == ".gguf")
         device = args.device
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
@@ -216,6 +226,8 @@ class EngineConfig:
             # Pipeline parallelism keeps several batches in flight instead, each request in at most one.
             async_scheduling=args.pipeline_parallel_size == 1 and (
                 device == "cuda" if args.async_scheduling is None else args.async_scheduling),
+            quant_config=quant_config,
+            kv_cache_dtype="auto" if args.kv_cache_dtype == "auto" else "fp8_e4m3",
         )
 
 

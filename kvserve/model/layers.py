@@ -24,10 +24,19 @@ def as_tensor(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded.load()
 
 
+_SERVING_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _copy_into(target: torch.Tensor, loaded, what: str) -> None:
     if tuple(target.shape) != tuple(loaded.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match parameter {tuple(target.shape)}")
-    target.copy_(as_tensor(loaded))  # float -> serving dtype; quantized tensors arrive in their own dtype
+    loaded = as_tensor(loaded)
+    # Float weights go to the serving dtype; quantized tensors (packed int32, fp8) must arrive in the dtype
+    # their method chose: a cast would destroy them, so a mismatch is a corrupt or mislabelled checkpoint.
+    if loaded.dtype != target.dtype and not (loaded.dtype in _SERVING_FLOATS and target.dtype in _SERVING_FLOATS):
+        raise ValueError(f"{what}: checkpoint tensor has dtype {loaded.dtype}, but the layer's quantization "
+                         f"method expects {target.dtype}; is --quantization right for this checkpoint?")
+    target.copy_(loaded)
 
 
 def _packed(param, dim: int, n: int) -> int:
@@ -123,6 +132,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:  # a checkpoint that stores the merged tensor already
             return super().weight_loader(param, loaded)
         dim = getattr(param, "output_dim", None)
+        if dim is None and getattr(param, "input_dim", None) is not None:  # per input row (GPTQ g_idx): shared
+            return _copy_into(param.data, loaded, f"shard {shard_id}")
         if dim is None:  # a per-tensor scale of one part: it goes to that part's slot
             target = param.data[shard_id] if param.data.numel() > 1 else param.data
             _copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")

@@ -21,6 +21,7 @@ from kvserve.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    as_tensor,
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
@@ -28,19 +29,27 @@ from kvserve.ops.attention_backend import AttentionBackend
 from kvserve.ops.attention_metadata import AttentionMetadata
 
 
+def _quant_method(quant_config, prefix: str):
+    """The linear method a quantization config gives the layer named `prefix` (None: unquantized)."""
+    return quant_config.get_quant_method(prefix) if quant_config is not None else None
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
+                 prefix: str = ""):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.attention_bias)
+                                          cfg.num_key_value_heads, cfg.attention_bias,
+                                          quant_method=_quant_method(quant_config, f"{prefix}.qkv_proj"))
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        quant_method=_quant_method(quant_config, f"{prefix}.o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -48,6 +57,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.backend = backend
+        # FP8 KV cache: K/V are stored as k / k_scale in e4m3. From the checkpoint when it has them, else 1.0,
+        # or computed from the first batch (--calculate-kv-scales); unused with a 16/32-bit cache.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
+        self.calculate_kv_scales = False
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -58,16 +72,28 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    # vLLM's rule: max |k| maps to 200 and max |v| to 100 (e4m3's largest value is 448), once.
+    K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_scale.copy_((k.abs().amax().float() / self.K_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+        self.v_scale.copy_((v.abs().amax().float() / self.V_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+        self.calculate_kv_scales = False
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       quant_method=_quant_method(quant_config, f"{prefix}.gate_up_proj"))
         self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           quant_method=_quant_method(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -80,10 +106,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
+                 prefix: str = ""):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -109,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 layer_range: tuple[int, int] | None = None):
+                 layer_range: tuple[int, int] | None = None, quant_config=None):
         """layer_range: the decoder layers this pipeline stage runs (default: all)."""
         super().__init__()
         self.config = cfg
@@ -120,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
         # Layers of other stages are empty placeholders, so parameter names stay the checkpoint's.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend) if self.start_layer <= i < self.end_layer else nn.Module()
+            DecoderLayer(cfg, rotary, backend, quant_config, f"layers.{i}") if self.start_layer <= i < self.end_layer
+            else nn.Module()
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = self.lm_head = None
@@ -176,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
+            if self._load_kv_scale(name, tensor):
+                continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             targets = [name]
@@ -195,13 +225,35 @@ class LlamaForCausalLM(nn.Module):
                 name, shard = name.replace(hf_part, our_part), shard_id
                 break
         param = params.get(name)
+        if param is None and name.endswith(".bias") and not as_tensor(tensor).any():
+            return name  # GPTQ tools save all-zero biases for layers that have none
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
         owner = self.get_submodule(name.rsplit(".", 1)[0])
         loader = getattr(param, "weight_loader", None) or owner.weight_loader
-        with torch.no_grad():
-            loader(param, tensor, shard)
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard)
+        except ValueError as exc:  # name the layer, and the expected layout of a quantized tensor
+            hint = getattr(param, "format_hint", None)
+            raise ValueError(f"{name}: {exc}" + (f"; expected layout {hint}" if hint else "")) from None
         return name
+
+    _KV_SCALE_NAMES = {  # checkpoint suffix -> our buffer (llm-compressor writes the first two forms)
+        ".self_attn.k_scale": "k_scale", ".self_attn.v_scale": "v_scale",
+        ".self_attn.k_proj.output_scale": "k_scale", ".self_attn.v_proj.output_scale": "v_scale",
+        ".self_attn.k_proj.k_scale": "k_scale", ".self_attn.v_proj.v_scale": "v_scale",
+    }
+
+    def _load_kv_scale(self, name: str, tensor) -> bool:
+        """Per-tensor KV cache scales of FP8-KV checkpoints (the largest, if a checkpoint has several)."""
+        for suffix, buffer in self._KV_SCALE_NAMES.items():
+            if name.endswith(suffix):
+                if self._on_this_rank(name):
+                    attn = self.get_submodule(name[: -len(suffix)] + ".self_attn")
+                    getattr(attn, buffer).copy_(as_tensor(tensor).float().max().reshape(1))
+                return True
+        return False
 
 
 class MistralForCausalLM(LlamaForCausalLM):

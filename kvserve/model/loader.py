@@ -42,7 +42,7 @@ class CheckpointSlice:
 
     def load(self) -> torch.Tensor:
         if not self.shape:  # a scalar
-            return self._lazy[:]
+            return self._lazy[...]
         return self._lazy[tuple(slice(a, b) for a, b in self._ranges)]
 
 
@@ -68,7 +68,33 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
             param.data.fill_(1.0)
             continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.uniform_(-1e-2, 1e-2, generator=gen)
+        if not param.is_floating_point() or param.element_size() == 1:
+            _fill_dummy_quantized(name, param, gen)
+        elif name.endswith("scales") or name.endswith("weight_scale"):
+            # Dequantized weights of about the same +-1e-2 as the float dummy: int values reach +-8
+            # (4-bit) and fp8 values +-448.
+            param.data.fill_(1e-2 / (448 if name.endswith("weight_scale") else 8))
+        else:
+            param.data.uniform_(-1e-2, 1e-2, generator=gen)
+
+
+def _fill_dummy_quantized(name: str, param: torch.nn.Parameter, gen: torch.Generator) -> None:
+    """Packed int weights: random bit patterns (uniform 4/8-bit values); int zero points: every field at
+    mid-range (8 or 128), so weights are centred; g_idx is left as created; fp8: uniform values."""
+    if name.endswith("g_idx"):
+        return
+    if name.endswith("qzeros"):
+        bits = 32 // param.pack_factor
+        word = 0
+        for i in range(param.pack_factor):
+            word |= (1 << (bits - 1)) << (i * bits)
+        param.data.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+        return
+    if param.dtype == torch.int32:
+        param.data.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, param.shape, generator=gen, device=param.device,
+                                       dtype=torch.int64).to(torch.int32))
+        return
+    param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(-448, 448, generator=gen).to(param.dtype))
 
 
 def load_model(
@@ -81,6 +107,7 @@ def load_model(
     max_positions: int,
     seed: int = 0,
     layer_range: tuple[int, int] | None = None,
+    quant_config=None,
 ) -> torch.nn.Module:
     model_cls = MODEL_REGISTRY[cfg.architecture]
     torch_dtype = DTYPES[dtype]
@@ -90,7 +117,7 @@ def load_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg, backend, max_positions, layer_range)
+            model = model_cls(cfg, backend, max_positions, layer_range, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
 
@@ -113,7 +140,13 @@ def load_model(
 
 
 def _process_weights_after_loading(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Real bytes of the weights as served (packed int4 at half a byte per value, fp8 at one)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

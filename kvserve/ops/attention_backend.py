@@ -18,9 +18,12 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32: an fp8 (e4m3) cache stores k / k_scale
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's K/V into the cache at meta.slot_mapping, then attend causally over
-        each request's whole context (cached blocks + this step's tokens)."""
+        each request's whole context (cached blocks + this step's tokens). A one-byte cache dtype means
+        FP8: K/V are quantized on write with the per-tensor scales and dequantized on read."""
         ...
 
 

@@ -16,19 +16,44 @@ import torch.nn.functional as F
 from kvserve.ops.attention_metadata import AttentionMetadata
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.element_size() == 1
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in e4m3 (clamped: e4m3fn has no infinity, an overflow would be NaN)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     n = slot_mapping.shape[0]
-    kv_cache[0].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = k[:n]
-    kv_cache[1].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = v[:n]
+    k, v = k[:n], v[:n]
+    if is_fp8_cache(kv_cache):
+        # Index writes into float8 tensors are not implemented on CPU: write the bytes.
+        k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    kv_cache[0].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = k
+    kv_cache[1].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = v
 
 
-def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int):
-    """K and V of requests' first `seq_len` positions: block_tables [B, nb] -> [B, seq_len, Hkv, D] each."""
+def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype | None = None,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+    """K and V of requests' first `seq_len` positions: block_tables [B, nb] -> [B, seq_len, Hkv, D] each
+    (an fp8 cache is dequantized to `dtype` with the per-tensor scales)."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     tables = block_tables[:, :num_blocks].long()
     shape = (tables.shape[0], num_blocks * block_size, *kv_cache.shape[3:])
+    if is_fp8_cache(kv_cache):
+        raw = kv_cache.view(torch.uint8)
+        k = raw[0][tables].view(torch.float8_e4m3fn).reshape(shape)[:, :seq_len]
+        v = raw[1][tables].view(torch.float8_e4m3fn).reshape(shape)[:, :seq_len]
+        return (k.float() * k_scale.float()).to(dtype), (v.float() * v_scale.float()).to(dtype)
     return kv_cache[0][tables].reshape(shape)[:, :seq_len], kv_cache[1][tables].reshape(shape)[:, :seq_len]
 
 
@@ -41,10 +66,11 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
     return out.transpose(1, 2)
 
 
-def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+                        ) -> torch.Tensor:
     """The definition: write the step's K/V, then each request's queries attend causally to its whole
     context as read back from the cache (query j of a request sits at position seq_len - q_len + j)."""
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
     qsl = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
     out = torch.empty_like(q)
@@ -52,7 +78,7 @@ def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float
         q_len = qsl[i + 1] - qsl[i]
         if q_len == 0:
             continue
-        keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len)
+        keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len, q.dtype, k_scale, v_scale)
         query_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
         mask = (torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None])[None, None]
         out[qsl[i]:qsl[i + 1]] = _sdpa(q[qsl[i]:qsl[i + 1]].unsqueeze(0), keys, values, mask, scale)[0]
@@ -129,7 +155,10 @@ class TorchAttentionBackend:
             self._plan_meta = meta
         return self._plan
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+                ) -> torch.Tensor:
+        if is_fp8_cache(kv_cache):  # the definition dequantizes what it reads (fp8 KV on CPU: tests only)
+            return reference_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
         # Every K/V write of the layer happens before any read, so a request may read blocks that
         # another request of the same step is filling (prefix hits published this step).
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)

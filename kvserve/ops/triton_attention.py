@@ -64,7 +64,7 @@ def _attend_keys(
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, key_end, qk_scale,
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
     [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
@@ -94,6 +94,9 @@ def _attend_keys(
         else:
             k = tl.load(k_cache_ptr + kv_off)
             v = tl.load(v_cache_ptr + kv_off)
+        if KV_FP8:  # the scales are folded into qk_scale and the output by the caller
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if MASKED:
             s = tl.where(k_ok[None, :] & (kpos[None, :] <= query_pos[:, None]), s, float("-inf"))
@@ -110,13 +113,13 @@ def _attend_keys(
 # Block-table width varies per step: not a specialization key, or each new width could compile anew.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _unified_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
     num_reqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
     # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
@@ -162,16 +165,20 @@ def _unified_attention_kernel(
     key_end = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
     full_end = (ctx_len + q_first) // TILE_N * TILE_N
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, 0, full_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False, KV_FP8,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True, KV_FP8,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -179,12 +186,12 @@ def _unified_attention_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Decode-only batches: one program per (request, kv head, split of the context)."""
     req = tl.program_id(0)
@@ -217,15 +224,19 @@ def _decode_kernel(
     # Whole tiles without masks, then the last partial tile (the query sees the whole context).
     full_end = tl.maximum(key_start, key_start + (key_end - key_start) // TILE_N * TILE_N)
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, full_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False, KV_FP8,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True, KV_FP8,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -276,15 +287,24 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      num_tokens: int | None = None) -> None:
+                      num_tokens: int | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write k/v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping (the first
-    ``min(len(slot_mapping), num_tokens, T)`` tokens; negative slots are skipped)."""
+    ``min(len(slot_mapping), num_tokens, T)`` tokens; negative slots are skipped). A one-byte cache is
+    FP8 e4m3: k / k_scale and v / v_scale are stored."""
     n = min(slot_mapping.shape[0], k.shape[0], num_tokens if num_tokens is not None else k.shape[0])
     if n <= 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     assert kv_cache.stride(-1) == 1
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.element_size() == 1:
+        # FP8: quantized by torch (elementwise over this step's K/V only; Triton's interpreter rounds
+        # float -> e4m3 wrongly near powers of two, so the kernel never converts), then copied as bytes.
+        from kvserve.ops.torch_attention import quantize_kv
+
+        k, v = quantize_kv(k[:n], k_scale).view(torch.uint8), quantize_kv(v[:n], v_scale).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _reshape_and_cache_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
@@ -338,13 +358,17 @@ class TritonAttentionBackend:
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+                ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim
         block_size = kv_cache.shape[2]
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, meta.num_actual_tokens)
+        kv_fp8 = kv_cache.element_size() == 1
+        if kv_fp8 and (k_scale is None or v_scale is None):
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, meta.num_actual_tokens, k_scale, v_scale)
 
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         num_reqs = meta.seq_lens.shape[0]
@@ -357,7 +381,9 @@ class TritonAttentionBackend:
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
         qk_scale = scale * _LOG2E
         block_tables = meta.block_tables
-        common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec}
+        common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec,
+                  "KV_FP8": kv_fp8}
+        scale_ptrs = (k_scale, v_scale) if kv_fp8 else (meta.seq_lens, meta.seq_lens)  # unread without fp8
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
 
         num_splits = meta.num_kv_splits
@@ -372,7 +398,7 @@ class TritonAttentionBackend:
             part_l = torch.empty_like(part_m)
             _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
                 out, part_out, part_m, part_l,
-                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, qk_scale,
+                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, qk_scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
                 NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
                 TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
@@ -390,7 +416,7 @@ class TritonAttentionBackend:
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
         _unified_attention_kernel[(num_tiles * num_kv_heads,)](
-            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc,
+            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs,
             num_reqs, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,

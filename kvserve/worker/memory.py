@@ -120,7 +120,8 @@ def num_blocks_from_bytes(kv_bytes: int, bytes_per_block: int) -> int:
 def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
     tokens = num_blocks * config.args.block_size
     logger.info("Available KV cache memory: %.2f GiB", kv_bytes / GiB)
-    logger.info("%s KV cache size: %d tokens", "GPU" if config.device == "cuda" else "CPU", tokens)
+    kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    logger.info("%s KV cache size: %d tokens (dtype %s)", "GPU" if config.device == "cuda" else "CPU", tokens, kv_dtype)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len,
                 memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len))
 

@@ -66,6 +66,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        # The KV cache's storage dtype: the model's, or e4m3 (--kv-cache-dtype fp8), half the bytes of bf16.
+        self.kv_cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        self.calculate_kv_scales_pending = config.args.calculate_kv_scales and config.kv_cache_dtype != "auto"
         self.block_size = config.args.block_size
         self.model_config = config.model_config
         self.max_model_len = config.max_model_len
@@ -80,6 +83,7 @@ class ModelRunner:
             max_positions=config.max_model_len,
             seed=config.args.seed,
             layer_range=layer_range,
+            quant_config=config.quant_config,
         )
         if self.device.type == "cpu":
             from kvserve.ops.cpu_gemm import pack_cpu_linears
@@ -103,14 +107,14 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         model = self.model
         return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_local_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
@@ -352,8 +356,16 @@ class ModelRunner:
         self.swap_blocks(getattr(out, "blocks_to_swap_in", None), to_cpu=False)
         if out.is_empty:
             return PendingOutput.empty()
+        calculate_kv_scales = self.calculate_kv_scales_pending
+        if calculate_kv_scales:
+            # The first real batch computes the scales, eagerly (a graph replay would skip the Python
+            # branch); graphs read the scale buffers by address, so later replays see the values.
+            self.calculate_kv_scales_pending = False
+            for module in self.model.modules():
+                if hasattr(module, "calculate_kv_scales"):
+                    module.calculate_kv_scales = True
         num_reqs = len(out.scheduled)
-        graph_out = self._run_graph(out)
+        graph_out = None if calculate_kv_scales else self._run_graph(out)
         if graph_out is not None:
             logits_input, rows = graph_out
         else:

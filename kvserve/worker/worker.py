@@ -58,6 +58,9 @@ class Worker:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         logger.info("rank %d: loaded %s in %.1f s (%s, %s)", self.rank, config.model_path,
                     time.perf_counter() - t0, config.dtype, config.device)
+        logger.info("rank %d: model weights take %.4f GiB as stored (quantization: %s)", self.rank,
+                    self.weights_bytes / memory.GiB,
+                    config.quant_config.name if config.quant_config is not None else "none")
 
     def determine_kv_cache_bytes(self) -> tuple[int, int]:
         """(bytes this rank can give its KV cache, bytes one block takes on this rank)."""

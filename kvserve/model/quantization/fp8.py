@@ -1,0 +1,167 @@
+"""FP8 (e4m3) weights: W8A8 on GPUs with FP8 tensor cores, weight-only elsewhere.
+
+Three ways in, one served layout (weight e4m3 [N, K] + per-output-channel float32 weight_scale [N]):
+* ``--quantization fp8`` on a bf16/fp16/fp32 checkpoint: each weight is quantized at load with
+  per-channel scales (max |w| of the row / 448).
+* HF / AutoFP8 checkpoints (quantization_config.quant_method "fp8"): per-tensor weight_scale per checkpoint
+  tensor (a merged qkv layer gets one per part; expanded to per-channel, which is exact).
+* compressed-tensors "float-quantized" checkpoints (llm-compressor): per-tensor or per-channel scales
+  (see compressed_tensors.py, which reuses this method).
+Activations: dynamic per-token scales, or the checkpoint's static per-tensor input_scale.
+
+On CUDA with compute capability >= 8.9 the GEMM is torch._scaled_mm (row-wise scales) on the FP8 tensor
+cores. Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
+weight and multiplies in the activation dtype: weight-only FP8, activations are not quantized.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.model.linear_method import LinearMethodBase
+from kvserve.model.quantization.base import QuantizationConfig, new_param, check_choice
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+_MIN_SCALE = 1e-12
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scale [N]) with w ~= q * scale[:, None]."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def load_per_tensor_scale(param, loaded, shard_id=None) -> None:
+    """A scalar scale per checkpoint tensor; a merged layer keeps one slot per part (q/k/v, gate/up)."""
+    from kvserve.model.layers import as_tensor
+
+    value = as_tensor(loaded).float().reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"per-tensor scale: checkpoint tensor has {value.numel()} values, expected 1")
+    param.data[0 if shard_id is None else _SHARD_INDEX.get(shard_id, shard_id)] = value[0]
+
+
+_fp8_support_logged = False
+
+
+def cuda_has_fp8(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) and newer. Older GPUs fall back to weight-only FP8."""
+    global _fp8_support_logged
+    major, minor = torch.cuda.get_device_capability(device)
+    ok = (major, minor) >= (8, 9)
+    if not ok and not _fp8_support_logged:
+        _fp8_support_logged = True
+        logger.warning("FP8: GPU compute capability %d.%d < 8.9 has no FP8 tensor cores; falling back to weight-only "
+                       "FP8 (weights dequantized to the activation dtype per GEMM; slower than W8A8).", major, minor)
+    return ok
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+    bits_per_weight = 8.0
+
+    def __init__(self, checkpoint_is_fp8: bool, activation_scheme: str = "dynamic",
+                 ignored_layers: list[str] | None = None, weight_strategy: str = "tensor"):
+        check_choice("activation_scheme", activation_scheme, ("dynamic", "static"), "fp8")
+        self.checkpoint_is_fp8 = checkpoint_is_fp8
+        self.activation_scheme = activation_scheme
+        self.weight_strategy = weight_strategy
+        self.ignored_layers = list(ignored_layers or [])
+
+    @classmethod
+    def from_config(cls, q: dict) -> "Fp8Config":
+        if q.get("weight_block_size") is not None:
+            raise ValueError(
+                f"fp8: block-wise scales (weight_block_size {q['weight_block_size']}) are not supported "
+                f"(supported: per-tensor scales (HF fp8 / AutoFP8), per-channel or per-tensor (compressed-tensors))."
+            )
+        return cls(checkpoint_is_fp8=True, activation_scheme=str(q.get("activation_scheme", "dynamic")),
+                   ignored_layers=q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
+
+    def get_quant_method(self, prefix):
+        if self.skipped(prefix, self.ignored_layers):
+            return None
+        return Fp8LinearMethod(self.checkpoint_is_fp8, self.weight_strategy, self.activation_scheme == "static")
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    def __init__(self, checkpoint_is_fp8: bool, weight_strategy: str = "tensor", static_input: bool = False):
+        check_choice("weight strategy", weight_strategy, ("tensor", "channel"), "fp8")
+        self.checkpoint_is_fp8 = checkpoint_is_fp8
+        self.weight_strategy = weight_strategy
+        self.static_input = static_input
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype):
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if not self.checkpoint_is_fp8:
+            # A float checkpoint: quantized in process_weights_after_loading.
+            layer.register_parameter("weight", new_param((n, k), params_dtype, output_dim=0, input_dim=1))
+            return
+        layer.register_parameter("weight", new_param((n, k), FP8_DTYPE, output_dim=0, input_dim=1,
+                                                     format_hint="fp8 weight: float8_e4m3fn [out, in]"))
+        parts = len(output_partition_sizes)
+        if self.weight_strategy == "channel":
+            scale = new_param((n, 1), torch.float32, output_dim=0, format_hint="fp8 weight_scale: float32 [out, 1]")
+        else:
+            scale = new_param((parts,), torch.float32, format_hint="fp8 weight_scale: float32 scalar per tensor",
+                              weight_loader=load_per_tensor_scale)
+        scale.data.fill_(1.0)
+        layer.register_parameter("weight_scale", scale)
+        if self.static_input:
+            input_scale = new_param((parts,), torch.float32, format_hint="fp8 input_scale: float32 scalar per tensor",
+                                    weight_loader=load_per_tensor_scale)
+            input_scale.data.fill_(1.0)
+            layer.register_parameter("input_scale", input_scale)
+
+    def process_weights_after_loading(self, layer):
+        w = layer.weight.data
+        if not self.checkpoint_is_fp8:
+            q, scale = quantize_per_channel(w)
+        else:
+            q = w
+            scale = layer.weight_scale.data.float()
+            if self.weight_strategy == "channel":
+                scale = scale.reshape(-1)
+            else:  # one scale per merged part -> per channel
+                sizes = torch.tensor(layer.output_partition_sizes, device=scale.device)
+                scale = torch.repeat_interleave(scale.reshape(-1), sizes)
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.contiguous(), requires_grad=False)
+        if self.static_input:
+            # One scale for the layer's input: the largest of its parts' (they see the same input).
+            layer.input_scale = torch.nn.Parameter(layer.input_scale.data.float().max().reshape(1), requires_grad=False)
+        # _scaled_mm needs both GEMM dims of the weight in multiples of 16.
+        layer.fp8_gemm = w.is_cuda and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and cuda_has_fp8(w.device)
+
+    def dequantized_weight(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
+
+    def apply(self, layer, x, bias=None):
+        if not getattr(layer, "fp8_gemm", False):
+            return torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.static_input:
+            x_scale = layer.input_scale.expand(x2.shape[0], 1).contiguous()
+            xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        else:
+            xq, x_scale = quantize_per_token(x2)
+        # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
+        out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                               out_dtype=torch.bfloat16)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
