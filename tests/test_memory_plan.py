@@ -59,7 +59,9 @@ def test_plan_equals_engine_allocation(tiny_model_factory, capsys, arch, dtype, 
     assert plan["max_concurrency"] == pytest.approx(num_blocks * 16 / 256)
     # Weights: the checkpoint's headers give exactly the bytes the loaded model holds (incl. rotary tables).
     held = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    held += sum(b.numel() * b.element_size() for b in engine.runner.model.buffers())
+    # (k_scale / v_scale are 4-byte scalars of the KV cache, per layer: not weights.)
+    held += sum(b.numel() * b.element_size() for name, b in engine.runner.model.named_buffers()
+                if not name.endswith(("k_scale", "v_scale")))
     assert plan["weights_source"] == "checkpoint"
     assert plan["ranks"][0]["weights"] == held
 
