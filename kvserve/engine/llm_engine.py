@@ -21,6 +21,7 @@ from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
+from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.model.loader import DTYPES
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -65,6 +66,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
         logger.info("Loaded %s in %.1f s (%s, %s)", config.model_path, time.perf_counter() - t0, config.dtype, config.device)
+        if config.default_sampling:
+            logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         bytes_per_block = self.runner.kv_bytes_per_block()
         if args.num_gpu_blocks_override is not None:
