@@ -146,6 +146,8 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process = None
         self._stopping = False
+        self.kv_snapshot: dict | None = None  # the engine core's latest KV-cache picture (/dashboard)
+        self.kv_snapshot_listeners: list = []  # called with each new one, on the event loop
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -374,6 +376,10 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_iteration(num_prompt, num_generated)
             self.metrics.observe_engine(stats)
+        if batch.kv_snapshot is not None:
+            self.kv_snapshot = batch.kv_snapshot
+            for listener in self.kv_snapshot_listeners:
+                listener(batch.kv_snapshot)
 
     def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
         """Prompt and generated tokens this output adds (for the counters and the throughput log)."""

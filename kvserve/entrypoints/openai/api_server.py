@@ -26,6 +26,7 @@ import kvserve
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -40,9 +41,10 @@ logger = logging.getLogger("kvserve.server")
 
 STATS_LOG_INTERVAL_S = 10.0
 # Open like vLLM's: probes and scrapers carry no API key.
-_UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# (/dashboard is the page's empty shell; its data, /dashboard/snapshot, needs the key like /v1.)
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", DASHBOARD_PAGE})
 # Answerable while the model loads or the server drains.
-_ALWAYS_AVAILABLE_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+_ALWAYS_AVAILABLE_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", DASHBOARD_PAGE})
 
 
 @dataclass
@@ -122,6 +124,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(_GateMiddleware, state=state)
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template)
     completion = ServingCompletion(engine, settings.served_model_name)
+    add_dashboard_routes(app, engine, metrics, settings.served_model_name)
 
     @app.get("/health")
     async def health():
