@@ -82,7 +82,7 @@ class ServingBase:
     @property
     def default_sampling(self) -> dict:
         """The model's generation-config defaults (EngineConfig.default_sampling)."""
-        return self.engine.config.default_sampling
+        return getattr(self.engine.config, "default_sampling", None) or {}
 
     def sampling_params(self, fields: dict) -> SamplingParams:
         """Passes every field by name; one SamplingParams does not know yet is refused only if it is set."""
