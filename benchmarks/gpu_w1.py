@@ -1,4 +1,4 @@
-"""Everything a GPU session checks and measures, in one command (see DESIGN.md, workload W1).
+"""Everything a GPU session checks and measures, in one command (see docs/DESIGN.md, workload W1).
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_w1.py [--out DIR] [--skip-hf] [--quick]
 

@@ -12,7 +12,7 @@ Rounds alternate offline and served, so a noisy shared machine hits both alike; 
 and the median are printed, with the machine, and a short table last.
 
 Datasets: `random` (default; SmolLM2, short random prompts) and `w1`, the GPU reference workload of
-DESIGN.md (Llama-3.1-8B's config, dummy bf16 weights, no tokenizer, 256 requests). For W1 both engines
+docs/DESIGN.md (Llama-3.1-8B's config, dummy bf16 weights, no tokenizer, 256 requests). For W1 both engines
 share one GPU, so each gets a fixed KV cache (--kv-cache-tokens) instead of --gpu-memory-utilization,
 whose budget counts the other engine's memory as used. `--tiny` runs W1's code path on a 2-layer,
 64-wide model with every W1 length cut by 16, so it can be checked on a CPU.
@@ -47,7 +47,7 @@ sys.path.insert(0, REPO)
 from kvserve.bench.datasets import W1_CONFIG, W1_MODEL_ALIAS, w1_requests
 from kvserve.bench.machine import describe
 
-# W1's engine flags (DESIGN.md, BENCHMARKS.md); w1_workload adds the fixed KV size.
+# W1's engine flags (docs/DESIGN.md, BENCHMARKS.md); w1_workload adds the fixed KV size.
 W1_ENGINE = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, "max_num_seqs": 256,
              "max_num_batched_tokens": 16384, "skip_tokenizer_init": True, "served_model_name": W1_MODEL_ALIAS,
              "enable_prefix_caching": False}  # W1 shares no prefixes; on, round 2 would hit round 1's blocks
@@ -280,7 +280,7 @@ def print_table(med: dict, n_rounds: int, preempt: dict, header: str) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=("random", "w1"), default="random",
-                    help="random: SmolLM2 (or --model) and random short prompts; w1: DESIGN.md's W1.")
+                    help="random: SmolLM2 (or --model) and random short prompts; w1: docs/DESIGN.md's W1.")
     ap.add_argument("--tiny", action="store_true", help="w1 only: a 2-layer, 64-wide model, lengths cut by 16 (CPU).")
     ap.add_argument("--model", default=None, help="random only: model path (default: the embedded SmolLM2).")
     ap.add_argument("--num-prompts", type=int, default=None, help="Requests (default: 64; w1: 256).")

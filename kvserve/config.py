@@ -28,6 +28,13 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata={"help": "Weight quantization: awq | gptq | fp8 | compressed-tensors. Default: what the checkpoint's config.json says; fp8 on an unquantized checkpoint quantizes it at load (W8A8).", "group": "Model"})
     max_logprobs: int = field(default=20, metadata={"help": "Most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: no limit (then -1, the whole vocabulary, is allowed).", "group": "Model"})
     max_n: int = field(default=128, metadata={"help": "Most samples (n) one request may ask for (OpenAI's limit is 128).", "group": "Model"})
+    revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit) of a model given by repo id (default: main).", "group": "Model"})
+    tokenizer_revision: str | None = field(default=None, metadata={"help": "Hub revision of the tokenizer when --tokenizer is a repo id.", "group": "Model"})
+    download_dir: str | None = field(default=None, metadata={"help": "Hugging Face cache directory for hub models (default: $HF_HOME/hub).", "group": "Model"})
+    hf_token: str | None = field(default=None, metadata={"help": "Hugging Face token for gated or private repos (default: $HF_TOKEN).", "group": "Model"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve runs no code from model repos, only its own model classes.", "group": "Model"})
+    generation_config: str = field(default="auto", metadata={"help": "auto: sampling defaults from the model's generation_config.json; vllm: ignore it; or a folder holding a generation_config.json.", "group": "Model"})
+    override_generation_config: str | None = field(default=None, metadata={"help": "JSON object of sampling defaults applied over the generation config, e.g. '{\"temperature\": 0.5}'.", "group": "Model"})
     # Cache
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block.", "group": "Cache"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory this engine may use (weights + activations + KV cache).", "group": "Cache"})
@@ -153,26 +160,26 @@ class EngineConfig:
     layer_ranges: list = field(default_factory=list)  # [(first, end)] decoder layers per pipeline stage
     quant_config: object = None  # kvserve.model.quantization.QuantizationConfig, or None
     kv_cache_dtype: str = "auto"  # the KV cache's storage: "auto" (= dtype) or "fp8_e4m3"
+    # Sampling defaults from the model's generation_config.json (vLLM's --generation-config auto): applied to
+    # requests that leave these fields unset. Keys are SamplingParams names; max_tokens caps unset max_tokens.
+    default_sampling: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: EngineArgs, count_devices: bool = True) -> "EngineConfig":
         from kvserve.model.default_model import DEFAULT_MODEL_NAME, find_default_gguf
+        from kvserve.model.generation_config import default_sampling_fields
+        from kvserve.model.hub import resolve_model_files
+        from kvserve.model.model_config import load_hf_config_dict
+        from kvserve.model.quantization import resolve_quant_config
 
         if args.model is None:
             model_path = find_default_gguf()
             default_name = DEFAULT_MODEL_NAME
         else:
-            model_path = Path(args.model).expanduser()
+            model_path = resolve_model_files(args.model, revision=args.revision, download_dir=args.download_dir,
+                                             token=args.hf_token)
             default_name = args.model
-            if not model_path.exists():
-                raise ValueError(
-                    f"Model path {args.model!r} does not exist. kvserve loads local HF directories and "
-                    f".gguf files only; leave the model unset for the embedded SmolLM2."
-                )
-        model_config = ModelConfig.from_path(model_path)
-        from kvserve.model.model_config import load_hf_config_dict
-        from kvserve.model.quantization import resolve_quant_config
-
+        model_config = ModelConfig.from_path(model_path, trust_remote_code=args.trust_remote_code)
         quant_config = resolve_quant_config(args.quantization, load_hf_config_dict(model_path),
                                             is_gguf=model_path.suffix == ".gguf")
         device = args.device
@@ -209,7 +216,10 @@ class EngineConfig:
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
-        tokenizer_path = Path(args.tokenizer).expanduser() if args.tokenizer else model_path
+        tokenizer_path = model_path
+        if args.tokenizer:
+            tokenizer_path = resolve_model_files(args.tokenizer, revision=args.tokenizer_revision,
+                                                 download_dir=args.download_dir, token=args.hf_token, what="Tokenizer")
         layer_ranges = _check_parallel_layout(args, model_config, device, count_devices)
         return cls(
             layer_ranges=layer_ranges,
@@ -228,6 +238,8 @@ class EngineConfig:
                 device == "cuda" if args.async_scheduling is None else args.async_scheduling),
             quant_config=quant_config,
             kv_cache_dtype="auto" if args.kv_cache_dtype == "auto" else "fp8_e4m3",
+            default_sampling=default_sampling_fields(model_path, args.generation_config,
+                                                     args.override_generation_config),
         )
 
 

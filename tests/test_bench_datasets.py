@@ -1,4 +1,4 @@
-"""Benchmark datasets: W1 exactly as DESIGN.md defines it, synthetic sets reproducible from the seed,
+"""Benchmark datasets: W1 exactly as docs/DESIGN.md defines it, synthetic sets reproducible from the seed,
 ShareGPT sampled and filtered as vLLM does."""
 
 from __future__ import annotations

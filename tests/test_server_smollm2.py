@@ -1,5 +1,5 @@
-"""Real text from the default model through the server, and the README's curl and `openai` examples run as
-printed (only the port differs: the test server listens on a free one)."""
+"""Real text from the default model through the server, and every `bash` and `python` block of the README runs
+as printed after its two set-up commands (only the port differs: the test server listens on a free one)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,34 @@ def test_readme_openai_example(server):
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+SETUP_BLOCKS = {"make run", "make test"}  # the README's two set-up commands, run by CI itself
+RUNNABLE = ("bash", "python")
+ILLUSTRATION = ("sh", "text", "")  # need a GPU, network, Docker or the reader's files; never run here
+
+
+def _all_blocks() -> list[tuple[str, str]]:
+    return re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def test_readme_blocks_are_all_classified():
+    langs = {lang for lang, _ in _all_blocks()}
+    assert langs <= set(RUNNABLE + ILLUSTRATION), langs - set(RUNNABLE + ILLUSTRATION)
+    assert {body.strip() for lang, body in _all_blocks() if lang == "bash"} >= SETUP_BLOCKS
+
+
+def test_readme_every_runnable_block_runs_as_printed(server):
+    """After `make run` (here: the module's server on a free port), each block exits 0, in README order."""
+    repo = README.parent
+    ran = 0
+    for lang, body in _all_blocks():
+        if lang not in RUNNABLE or body.strip() in SETUP_BLOCKS:
+            continue
+        code = body.replace(README_URL, server.url)
+        cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+        # A bound for hangs, not a speed check: the HF baseline alone takes minutes on a busy 2-core machine.
+        out = subprocess.run(cmd, cwd=repo, check=False, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, f"README block failed:\n{body}\n--- stderr ---\n{out.stderr[-3000:]}"
+        ran += 1
+    assert ran >= 6

@@ -12,7 +12,7 @@ def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
     g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
                    help="random: uniform lengths and token ids; prefix: prompts sharing --num-prefixes prefixes "
                         "of --prefix-len tokens; sharegpt: a ShareGPT JSON file (--dataset-path); w1: the GPU "
-                        "reference workload of DESIGN.md (256 requests, Llama-3.1-8B vocabulary).")
+                        "reference workload of docs/DESIGN.md (256 requests, Llama-3.1-8B vocabulary).")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (never downloaded).")
     g.add_argument("--num-prompts", type=int, default=None, help="Requests to run (default 1000; W1: 256).")
     g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,

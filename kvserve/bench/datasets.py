@@ -1,4 +1,4 @@
-"""Benchmark request sets: random, prefix (shared prefixes), ShareGPT (a user's file) and W1 (DESIGN.md).
+"""Benchmark request sets: random, prefix (shared prefixes), ShareGPT (a user's file) and W1 (docs/DESIGN.md).
 
 Every set is a list of SampleRequest and is reproducible from its seed. Synthetic sets are token ids;
 ShareGPT prompts are text with their token ids alongside, so offline runs feed ids and HTTP runs text.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 DATASETS = ("random", "sharegpt", "prefix", "w1")
 
-# W1, the GPU reference workload: Llama-3.1-8B architecture with dummy weights (DESIGN.md, "Measuring").
+# W1, the GPU reference workload: Llama-3.1-8B architecture with dummy weights (docs/DESIGN.md, "Measuring").
 W1_MODEL_ALIAS = "w1-llama-8b-dummy"
 W1_NUM_REQUESTS = 256
 W1_PROMPT_TOKENS = 144_581
@@ -94,7 +94,7 @@ def prefix_requests(num_prompts: int, prefix_len: int, num_prefixes: int, input_
 
 
 def w1_requests(num_prompts: int | None = None) -> list[SampleRequest]:
-    """W1 exactly as DESIGN.md draws it (in_len, out_len, then ids, per request); the first num_prompts."""
+    """W1 exactly as docs/DESIGN.md draws it (in_len, out_len, then ids, per request); the first num_prompts."""
     rng = random.Random(0)
     out = []
     for _ in range(W1_NUM_REQUESTS):

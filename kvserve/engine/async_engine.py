@@ -155,6 +155,8 @@ class AsyncEngine:
         self.dead_error: EngineDeadError | None = None  # set once the engine core is gone
         self._dead: asyncio.Event | None = None
         self.on_crashed = None  # called (on the event loop) when the engine dies under the server
+        self.kv_snapshot: dict | None = None  # the engine core's latest KV-cache picture (/dashboard)
+        self.kv_snapshot_listeners: list = []  # called with each new one, on the event loop
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -437,6 +439,10 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_iteration(num_prompt, num_generated)
             self.metrics.observe_engine(stats)
+        if batch.kv_snapshot is not None:
+            self.kv_snapshot = batch.kv_snapshot
+            for listener in self.kv_snapshot_listeners:
+                listener(batch.kv_snapshot)
 
     def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
         """Prompt and generated tokens this output adds (for the counters and the throughput log)."""

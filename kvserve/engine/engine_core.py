@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvserve.executor.abstract import ExecutorDeadError
 from kvserve.engine.step_errors import StepOutOfMemoryError
+from kvserve.engine.kv_snapshot import SnapshotSampler
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,20 @@ class EngineBatch:
     failed: list[str]  # requests aborted because the step failed
     stats: object  # EngineStats
     failed_reason: str | None = None  # why they failed, for the client (None: see the server log)
+    kv_snapshot: dict | None = None  # for /dashboard, at most every 0.5 s (kv_snapshot.py)
 
 
 class EngineCore:
     def __init__(self, engine):
         self.engine = engine
         self.live: set[str] = set()  # request ids the engine holds
+        self.snapshots = SnapshotSampler()
 
     def run(self, take_commands: Callable[[bool], list], publish: Callable[[EngineBatch], None]) -> None:
         """`take_commands(block)` returns the commands that arrived (waiting for one if block); returns on stop."""
         engine = self.engine
+        # The empty engine's picture, so /dashboard has one before the first request.
+        publish(EngineBatch([], [], [], engine.get_stats(), kv_snapshot=self.snapshots.maybe_take(engine)))
         while True:
             accepted = []
             for cmd in take_commands(not engine.has_unfinished_requests()):
@@ -87,7 +92,8 @@ class EngineCore:
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
-            publish(EngineBatch(accepted, outputs, failed, engine.get_stats(), failed_reason))
+            publish(EngineBatch(accepted, outputs, failed, engine.get_stats(), failed_reason,
+                                kv_snapshot=self.snapshots.maybe_take(engine)))
 
     def _recover(self, engine) -> list[str]:
         try:

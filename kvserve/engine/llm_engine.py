@@ -26,6 +26,7 @@ from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.executor.abstract import Executor
 from kvserve.inputs import parse_prompt
 from kvserve.model.default_model import load_tokenizer
+from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
@@ -69,6 +70,8 @@ class LLMEngine:
         logger.info("Engine ready in %.1f s (%s, %s)", time.perf_counter() - t0, config.dtype, config.device)
         self.num_kv_blocks = num_blocks
         swap = self._init_swap_space()
+        if config.default_sampling:
+            logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_cpu_blocks=swap.pop("num_cpu_blocks"))

@@ -48,8 +48,15 @@ def cmd_generate(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import kvserve
+    from kvserve.entrypoints.collect_env import cmd_collect_env
+
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference with paged KV cache")
+    parser.add_argument("--version", action="version", version=kvserve.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("collect-env", help="Print versions of Python, torch, CUDA, GPUs, drivers and packages "
+                                             "(paste it into bug reports).")
+    env.set_defaults(func=cmd_collect_env)
 
     chat = sub.add_parser("chat", help="Answer chat messages offline (one conversation each) and print the replies.")
     chat.add_argument("messages", nargs="+", help="User messages.")

@@ -26,6 +26,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults, used when none are passed (as in vLLM)."""
+        return SamplingParams(**self.llm_engine.config.default_sampling)
+
     def generate(
         self,
         prompts,
@@ -39,7 +43,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -43,11 +43,17 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False) -> "ModelConfig":
         arch = (cfg.get("architectures") or [None])[0] or _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
+            remote = ""
+            if cfg.get("auto_map"):
+                # The repo ships its own modelling code (what --trust-remote-code would run in vLLM).
+                remote = (" This model's architecture is defined by code in its repository (config.json has "
+                          "auto_map); kvserve never runs code from a model repository"
+                          + (", so --trust-remote-code cannot help." if trust_remote_code else "."))
             raise ValueError(
-                f"Model architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not supported. "
+                f"Model architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not supported.{remote} "
                 f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
         heads = cfg["num_attention_heads"]
@@ -86,8 +92,8 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_path(cls, model_path: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(load_hf_config_dict(model_path))
+    def from_path(cls, model_path: str | Path, trust_remote_code: bool = False) -> "ModelConfig":
+        return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
@@ -110,7 +116,6 @@ def load_hf_config_dict(model_path: str | Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(
-            f"No config.json in {path}. Pass a local Hugging Face model directory or a .gguf file "
-            f"(kvserve never downloads from a model hub)."
+            f"No config.json in {path}. Pass a Hugging Face model directory, a hub repo id or a .gguf file."
         )
     return json.loads(config_file.read_text())

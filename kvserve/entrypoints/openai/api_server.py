@@ -28,6 +28,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from kvserve.entrypoints.openai.http_limits import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -48,9 +49,10 @@ logger = logging.getLogger("kvserve.server")
 
 STATS_LOG_INTERVAL_S = 10.0
 # Open like vLLM's: probes and scrapers carry no API key.
-_UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# (/dashboard is the page's empty shell; its data, /dashboard/snapshot, needs the key like /v1.)
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", DASHBOARD_PAGE})
 # Answerable while the model loads or the server drains.
-_ALWAYS_AVAILABLE_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+_ALWAYS_AVAILABLE_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", DASHBOARD_PAGE})
 
 
 @dataclass
@@ -146,6 +148,7 @@ def build_app(state: ServerState) -> FastAPI:
                        timeout_s=settings.chat_template_timeout)
     state.on_ready = chat.start_renderer
     completion = ServingCompletion(engine, settings.served_model_name)
+    add_dashboard_routes(app, engine, metrics, settings.served_model_name)
 
     @app.get("/health")
     async def health():

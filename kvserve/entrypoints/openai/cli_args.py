@@ -11,6 +11,7 @@ import argparse
 from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
 from kvserve.entrypoints.openai.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvserve.entrypoints.vllm_flags import add_vllm_flags
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -58,6 +59,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--model", default=None, help="Same as MODEL (vLLM accepts both).")
     add_server_args(p)
     add_engine_args(p)
+    add_vllm_flags(p)  # last: it answers only the vLLM flags the parser above does not define
     p.set_defaults(func=cmd_serve)
 
 

@@ -94,7 +94,8 @@ class ServingBase:
                 raise APIError(
                     f"This model's maximum context length is {limit} tokens. However, your request has "
                     f"{num_prompt} input tokens. Please reduce the length of the input messages.", 400, "messages")
-            return limit - num_prompt
+            # The generation config's max_new_tokens caps an unset max_tokens (vLLM's get_max_tokens).
+            return min(limit - num_prompt, self.default_sampling.get("max_tokens") or limit)
         if max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {max_tokens}.", 400, "max_tokens")
         if num_prompt + max_tokens > limit:
@@ -112,11 +113,19 @@ class ServingBase:
         if not ids:
             raise APIError("The prompt is empty: give at least one token.", 400, param)
 
+    @property
+    def default_sampling(self) -> dict:
+        """The model's generation-config defaults (EngineConfig.default_sampling)."""
+        return getattr(self.engine.config, "default_sampling", None) or {}
+
     def sampling_params(self, fields: dict, renamed: dict[str, str] | None = None) -> SamplingParams:
         """Passes every field by name; one SamplingParams does not know yet is refused only if it is set.
         The request is checked against the model and the operator's limits here, before the engine sees
         it (the engine runs the same check for the library's callers). `renamed`: API field names for
         SamplingParams' (chat's top_logprobs is SamplingParams' logprobs)."""
+        # Fields the request left unset take the model's generation-config defaults (max_tokens is settled
+        # by max_tokens_for, so it is always in `fields`).
+        fields = {**self.default_sampling, **fields}
         known = {}
         for name, value in fields.items():
             spec = _SAMPLING_FIELDS.get(name)
