@@ -8,8 +8,7 @@ here is tidying, not a requirement. For every other vLLM flag the table says one
     logging): the outputs are the same with and without it;
   - REFUSED: an error that says why and what to use instead (the flag would change what the server
     does or returns, so ignoring it would mislead). A flag given its neutral value (NEUTRAL, e.g.
-    `--data-parallel-size 1`) or a boolean turned off (`--no-enable-lora`) is accepted silently;
-  - BEING_BUILT: refused for now with "not supported yet"; other work in progress implements these.
+    `--data-parallel-size 1`) or a boolean turned off (`--no-enable-lora`) is accepted silently.
 The kind of value each flag takes (ARITY) is vLLM's, so an unknown flag's value is consumed with it and
 never mistaken for the model name.
 """
@@ -80,7 +79,6 @@ _TOOLS = "tool calling is not supported yet; remove the flag (requests with tool
 _REASONING = "reasoning parsers are not supported yet; the reasoning text stays in the message content"
 _TLS = "TLS is not built in: put a TLS-terminating proxy (nginx, caddy, a cloud load balancer) in front of kvserve"
 _PLUGIN = "kvserve loads no plugins or custom classes"
-_BUILDING = "not supported yet (being built); remove the flag for now"
 
 IGNORED: dict[str, str] = {
     "--additional-config": "vLLM platform-specific extra config; kvserve has none",
@@ -330,26 +328,10 @@ NEUTRAL: dict[str, tuple[str, ...]] = {
     "--convert": ("auto", "none"), "--chat-template-content-format": ("auto",),
 }
 
-# ---- being built on other branches: refused for now; each moves to "implemented" when its flag lands in our
-# parser (the table is only consulted for flags the parser lacks, so merging needs no edit here).
-BEING_BUILT: dict[str, str] = {
-    # parallelism
-    "--distributed-executor-backend": _BUILDING,
-    "--disable-custom-all-reduce": _BUILDING,
-    # quantization
-    "--calculate-kv-scales": _BUILDING,
-    # server hardening
-    "--max-logprobs": _BUILDING,
-    "--trust-request-chat-template": _BUILDING,
-}
-# (--tensor-parallel-size/-tp, --pipeline-parallel-size/-pp, --quantization/-q and --kv-cache-dtype are EngineArgs
-# fields already: they parse, and EngineArgs explains which values work.)
-
-
 def status_of(flag: str) -> str | None:
-    """'ignored', 'refused' or 'being built' for a vLLM flag our parser lacks; None if the table lacks it."""
+    """'ignored' or 'refused' for a vLLM flag our parser lacks; None if the table lacks it."""
     long = ALIASES.get(flag, flag)
-    for name, table in (("being built", BEING_BUILT), ("refused", REFUSED), ("ignored", IGNORED)):
+    for name, table in (("refused", REFUSED), ("ignored", IGNORED)):
         if long in table:
             return name
     return None
@@ -382,8 +364,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(alias, dest=target.dest, type=target.type, choices=target.choices,
                                 nargs=target.nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             defined.add(alias)
-    for table, action, name in ((BEING_BUILT, _RefusedFlag, "being built"), (REFUSED, _RefusedFlag, "refused"),
-                                (IGNORED, _IgnoredFlag, "ignored")):
+    for table, action, name in ((REFUSED, _RefusedFlag, "refused"), (IGNORED, _IgnoredFlag, "ignored")):
         for long, reason in table.items():
             if long in defined:
                 continue  # implemented: the real parser wins
