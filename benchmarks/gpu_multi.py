@@ -342,6 +342,23 @@ def run_vllm(spec: dict, out: str, quick: bool) -> dict:
                 bs1=dict(output_tok_s=v.get("bs1_out_tok_per_s")), raw=v)
 
 
+def ray_available() -> bool:
+    """Ray importable by the row's child (and the Ray workers it starts): the machine's own, or the
+    bundle from benchmarks/ray_bundle.py unpacked to /tmp/raysite and put at the end of PYTHONPATH."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is not None:
+        return True
+    from ray_bundle import unpack
+
+    site = unpack()
+    if site is None:
+        return False
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [site])
+    return True
+
+
 def check_405b_fits(gpus: int) -> str | None:
     """None if `kvserve plan` says the 405B shape fits at TP=gpus on an H200, else its verdict."""
     path = write_config(SHAPES["405b"])
@@ -362,6 +379,8 @@ def run_row(spec: dict, args, cpu: bool) -> dict:
         reason = check_405b_fits(spec["tp"] * spec["pp"])
         if reason:
             return dict(status=f"skipped: {reason}")
+    if spec["ray_nodes"] and not ray_available():
+        return dict(status="blocked: Ray is not installed here and no Ray bundle in .ray/ (see ray_bundle.py)")
     spec = dict(spec, quick=args.quick)
     out_file = os.path.join(args.out, f"row_{spec['name']}.json")
     env = dict(os.environ, KVSERVE_COMM_TIMER="1", PYTHONUNBUFFERED="1")
@@ -429,16 +448,25 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated row names to run")
     ap.add_argument("--skip", default="", help="comma-separated row names not to run")
     ap.add_argument("--budget-s", type=float, default=560, help="no row starts that could end after this")
+    ap.add_argument("--dry-run", action="store_true", help="print the rows that would run, and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         run_child(json.loads(args.child), args.cpu_smoke, args.child_out)
         return
+    # Absolute: Ray workers do not start in this directory, and PYTHONPATH=. must still find kvserve.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    args.out = os.path.abspath(args.out)
     t_start = time.monotonic()
     rows = cpu_smoke_rows() if args.cpu_smoke else plan_rows(args.gpus, args.quick)
     only, skip = set(filter(None, args.only.split(","))), set(filter(None, args.skip.split(",")))
     rows = [r for r in rows if (not only or r["name"] in only) and r["name"] not in skip]
+    if args.dry_run:
+        for r in rows:
+            print(json.dumps(r))
+        return
     os.makedirs(args.out, exist_ok=True)
     label = "CPU smoke" if args.cpu_smoke else f"{args.gpus} x GPU" + (" (quick)" if args.quick else "")
     results = {}
