@@ -164,7 +164,7 @@ def generate(llm, prompts, max_tokens: list[int], logprobs=None):
     return [o.outputs[0] for o in outs]
 
 
-def run_parity(cpu: bool, ray_cluster_ok: bool) -> dict:
+def run_parity(cpu: bool) -> dict:
     """TP=2, PP=2 (and TP=2 x PP=2 on CPU) against TP=1 on the same checkpoint: fp32 tokens identical;
     bf16 greedy agreement and the largest |logprob| difference of the chosen token before the first split."""
     from kvserve import LLM
@@ -186,6 +186,10 @@ def run_parity(cpu: bool, ray_cluster_ok: bool) -> dict:
             llm.llm_engine.shutdown()
             del llm
             gc.collect()
+            if not cpu:  # the next engine's workers count what this process still caches as "others"
+                import torch
+
+                torch.cuda.empty_cache()
             toks = [o.token_ids for o in outs]
             lps = [[step[t].logprob for step, t in zip(o.logprobs, o.token_ids)] for o in outs]
             if ref is None:
@@ -298,7 +302,7 @@ def run_child(spec: dict, cpu: bool, out_file: str) -> None:
             raise SystemExit("blocked: ray is not installed here (pip install 'kvserve[ray]')") from None
         cluster = start_ray_nodes(spec, cpu)
     try:
-        res = run_parity(cpu, True) if spec["shape"] == "parity" else run_engine_row(spec, cpu)
+        res = run_parity(cpu) if spec["shape"] == "parity" else run_engine_row(spec, cpu)
     finally:
         if cluster is not None:
             import ray
