@@ -223,7 +223,7 @@ def comm_split(llm, spec: dict, elapsed: float, n_out: int, cpu: bool) -> dict:
     kinds = {k: round(max(s["seconds"].get(k, 0.0) for s in stats), 4) for k in
              sorted({k for s in stats for k in s["seconds"]})}
     res = dict(steps=steps, eager_steps=eager, ms_per_step=round(1000 * elapsed / max(steps, 1), 3),
-               comm_s_eager=round(comm, 4), comm_s_by_kind=kinds)
+               comm_s_timed=round(comm, 4), comm_s_by_kind=kinds)
     graph_steps = steps - eager
     est = 0.0
     # Steps without a Python-level collective are CUDA-graph replays (TP only: PP runs eagerly).

@@ -108,7 +108,8 @@ class CommTimer:
     Off unless KVSERVE_COMM_TIMER=1 (one module-level check per call when off). On CUDA each call is
     bracketed by two events (no synchronization; resolved when read or when they have completed); calls
     made while a CUDA graph is being captured are not timed, so graph replays are invisible to it:
-    `summary()` reports the steps that did call a collective from Python (eager steps) separately.
+    `summary()` counts separately the steps that ran their layers' collectives from Python (eager steps:
+    an all-reduce or a stage transfer; the logits' all-gather runs outside the graphs in every step).
     A recv's time includes waiting for the sending stage.
     """
 
@@ -121,13 +122,17 @@ class CommTimer:
         self._pending = []  # (kind, start event, end event)
         self.steps = 0
         self.eager_steps = 0
-        self._calls_at_step_start = 0
+        self._layer_calls = 0  # all-reduces and stage transfers made from Python
+        self._layer_calls_at_step_start = 0
+
+    def _end_step(self) -> None:
+        if self._layer_calls > self._layer_calls_at_step_start:
+            self.eager_steps += 1
+        self._layer_calls_at_step_start = self._layer_calls
 
     def begin_step(self) -> None:
-        total = sum(self.calls.values())
-        if total > self._calls_at_step_start:
-            self.eager_steps += 1
-        self._calls_at_step_start = total
+        if self.steps:
+            self._end_step()
         self.steps += 1
         self._resolve(block=False)
 
@@ -135,6 +140,8 @@ class CommTimer:
         if on_cuda and torch.cuda.is_current_stream_capturing():
             return fn(*args, **kwargs)
         self.calls[kind] = self.calls.get(kind, 0) + 1
+        if kind != "all_gather":
+            self._layer_calls += 1
         if on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -159,9 +166,8 @@ class CommTimer:
         self._pending = keep
 
     def summary(self) -> dict:
-        if self.steps and sum(self.calls.values()) > self._calls_at_step_start:
-            self.eager_steps += 1  # the last step's calls
-            self._calls_at_step_start = sum(self.calls.values())
+        if self.steps:
+            self._end_step()  # the last step's calls
         self._resolve(block=True)
         return dict(seconds=dict(self.seconds), calls=dict(self.calls), steps=self.steps,
                     eager_steps=self.eager_steps)
