@@ -260,7 +260,8 @@ def run_engine_row(spec: dict, cpu: bool) -> dict:
                      for r in executor.layout]
     res["memory"] = executor.collective_rpc("memory_report")
     print(f"  ready in {res['start_to_ready_s']} s; ranks: " + "; ".join(
-        f"r{r['rank']} {r['device']} L{r['layers'][0]}-{r['layers'][1] - 1} w {r['weights_gib']} GiB kv {r['kv_gib']} GiB"
+        f"r{r['rank']} {r['device']} L{r['layers'][0]}-{r['layers'][1] - 1} "
+        f"w {r['weights_gib']} GiB kv {r['kv_gib']} GiB"
         for r in res["layout"]), flush=True)
     generate(llm, [p for p, _ in reqs[:4]], [8] * min(4, len(reqs)))  # warm-up (JIT, allocator)
     executor.collective_rpc("comm_stats", True)
@@ -424,7 +425,8 @@ def print_table(label: str, results: dict) -> None:
                           for l in r.get("layout", []))
         share = step.get("comm_share")
         print(f"| {name} | {r['status'][:60]} | {fmt(r.get('start_to_ready_s'))} | {fmt(w1.get('output_tok_s'))} | "
-              f"{fmt(b1.get('output_tok_s'))} | {fmt(step.get('ms_per_step'))} | {fmt(step.get('compute_ms_per_step'))} | "
+              f"{fmt(b1.get('output_tok_s'))} | {fmt(step.get('ms_per_step'))} | "
+              f"{fmt(step.get('compute_ms_per_step'))} | "
               f"{fmt(step.get('comm_ms_per_step'))} ({fmt(None if share is None else round(100 * share, 1), '%')}) | "
               f"{ranks or '-'} |")
     if "parity" in results:
