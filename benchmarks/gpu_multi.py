@@ -66,7 +66,7 @@ def plan_rows(gpus: int, quick: bool) -> list[dict]:
             row("8b_tp1", shape="8b", tp=1, timeout_s=150),
             row("8b_tp2", shape="8b", tp=2, timeout_s=150),
             row("70b_tp2", tp=2, work=("w1", "bs1"), timeout_s=300),
-            row("vllm_70b_tp2", shape="vllm", tp=2, timeout_s=420),
+            row("vllm_70b_tp2", shape="vllm", tp=2, timeout_s=450),
             row("70b_pp2", pp=2, timeout_s=300),
         ]
     if gpus == 4:
