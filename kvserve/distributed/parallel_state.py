@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,86 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
     return state
 
 
+class CommTimer:
+    """Time spent in this process's collectives and stage-to-stage transfers, for benchmarks.
+
+    Off unless KVSERVE_COMM_TIMER=1 (one module-level check per call when off). On CUDA each call is
+    bracketed by two events (no synchronization; resolved when read or when they have completed); calls
+    made while a CUDA graph is being captured are not timed, so graph replays are invisible to it:
+    `summary()` counts separately the steps that ran their layers' collectives from Python (eager steps:
+    an all-reduce or a stage transfer; the logits' all-gather runs outside the graphs in every step).
+    A recv's time includes waiting for the sending stage.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = {}  # kind -> seconds
+        self.calls = {}
+        self._pending = []  # (kind, start event, end event)
+        self.steps = 0
+        self.eager_steps = 0
+        self._layer_calls = 0  # all-reduces and stage transfers made from Python
+        self._layer_calls_at_step_start = 0
+
+    def _end_step(self) -> None:
+        if self._layer_calls > self._layer_calls_at_step_start:
+            self.eager_steps += 1
+        self._layer_calls_at_step_start = self._layer_calls
+
+    def begin_step(self) -> None:
+        if self.steps:
+            self._end_step()
+        self.steps += 1
+        self._resolve(block=False)
+
+    def time(self, kind: str, on_cuda: bool, fn, *args, **kwargs):
+        if on_cuda and torch.cuda.is_current_stream_capturing():
+            return fn(*args, **kwargs)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        if kind != "all_gather":
+            self._layer_calls += 1
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._pending.append((kind, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+        return out
+
+    def _resolve(self, block: bool) -> None:
+        if block and self._pending:
+            self._pending[-1][2].synchronize()
+        keep = []
+        for kind, start, end in self._pending:
+            if block or end.query():
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + start.elapsed_time(end) / 1000
+            else:
+                keep.append((kind, start, end))
+        self._pending = keep
+
+    def summary(self) -> dict:
+        if self.steps:
+            self._end_step()  # the last step's calls
+        self._resolve(block=True)
+        return dict(seconds=dict(self.seconds), calls=dict(self.calls), steps=self.steps,
+                    eager_steps=self.eager_steps)
+
+
+COMM_TIMER: CommTimer | None = CommTimer() if os.environ.get("KVSERVE_COMM_TIMER") == "1" else None
+
+
+def _timed(kind: str, tensor: torch.Tensor, fn, *args, **kwargs):
+    if COMM_TIMER is None:
+        return fn(*args, **kwargs)
+    return COMM_TIMER.time(kind, tensor.is_cuda, fn, *args, **kwargs)
+
+
 def destroy_distributed() -> None:
     import torch.distributed as dist
 
@@ -116,7 +197,7 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
-    dist.all_reduce(x, group=_STATE.tp_group)
+    _timed("all_reduce", x, dist.all_reduce, x, group=_STATE.tp_group)
     return x
 
 
@@ -128,7 +209,7 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
-    dist.all_gather(parts, x, group=_STATE.tp_group)
+    _timed("all_gather", x, dist.all_gather, parts, x, group=_STATE.tp_group)
     return torch.cat(parts, dim=dim)
 
 
@@ -137,7 +218,7 @@ def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
 
     dst = _STATE.stage_rank(_STATE.pp_rank + 1)
     for t in tensors:
-        dist.send(t.contiguous(), dst=dst, group=_STATE.pp_group)
+        _timed("send", t, dist.send, t.contiguous(), dst=dst, group=_STATE.pp_group)
 
 
 def recv_from_prev_stage(shapes: list[tuple], dtype: torch.dtype, device) -> list[torch.Tensor]:
@@ -147,6 +228,6 @@ def recv_from_prev_stage(shapes: list[tuple], dtype: torch.dtype, device) -> lis
     out = []
     for shape in shapes:
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src, group=_STATE.pp_group)
+        _timed("recv", t, dist.recv, t, src=src, group=_STATE.pp_group)
         out.append(t)
     return out

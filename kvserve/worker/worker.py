@@ -12,6 +12,7 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.distributed import parallel_state
 from kvserve.distributed.parallel_state import get_parallel_state, init_distributed
 from kvserve.worker import memory
 
@@ -84,7 +85,54 @@ class Worker:
         return self.runner.measure_preemption_costs(num_tokens)
 
     def execute_model(self, sched_out):
+        if parallel_state.COMM_TIMER is not None and sched_out.total_num_scheduled_tokens:
+            parallel_state.COMM_TIMER.begin_step()  # steps with work only (pipelining schedules empty ones)
         return self.runner.execute_async(sched_out)
+
+    # ---- measurements for benchmarks (benchmarks/gpu_multi.py) ------------------------------------------
+    def comm_stats(self, reset: bool = False) -> dict | None:
+        """Seconds and calls per collective since the last reset (KVSERVE_COMM_TIMER=1), else None."""
+        timer = parallel_state.COMM_TIMER
+        if timer is None:
+            return None
+        stats = timer.summary()
+        if reset:
+            timer.reset()
+        return stats
+
+    def memory_report(self) -> dict:
+        """This rank's device memory now: used by the whole device, and torch's allocated and peak."""
+        if self.config.device != "cuda":
+            return dict(rank=self.rank, device="cpu")
+        free, total = torch.cuda.mem_get_info()
+        return dict(rank=self.rank, device=f"cuda:{torch.cuda.current_device()}", used_gib=(total - free) / 2**30,
+                    total_gib=total / 2**30, allocated_gib=torch.cuda.memory_allocated() / 2**30,
+                    peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+    def probe_all_reduce(self, num_tokens: int, iters: int = 20) -> float | None:
+        """Seconds of one TP all-reduce of [num_tokens, hidden] activations (what a CUDA-graph step does
+        2 x layers times, invisible to the timer), measured eagerly; None without tensor parallelism."""
+        ps = get_parallel_state()
+        if ps.tp_size == 1:
+            return None
+        import torch.distributed as dist
+
+        hidden = self.config.model_config.hidden_size
+        x = torch.zeros(num_tokens, hidden, dtype=self.runner.dtype, device=self.runner.device)
+        for _ in range(3):
+            dist.all_reduce(x, group=ps.tp_group)
+        if self.config.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                dist.all_reduce(x, group=ps.tp_group)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000 / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x, group=ps.tp_group)
+        return (time.perf_counter() - t0) / iters
 
     def describe(self) -> dict:
         """Where this rank runs and what it holds (the start-up layout log)."""
