@@ -11,10 +11,8 @@ really is fp8)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
