@@ -99,8 +99,8 @@ def copy_into(model, awq_tensors, float_params):
         params[name].data.copy_(t)
 
 
-def free(llm):
-    del llm
+def release_device_memory():
+    """After the caller dropped its engine: the engine's reference cycles hold its KV cache until collected."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -169,7 +169,8 @@ def main():
         results["configs"][name] = res
         with open(os.path.join(args.out, "gpu_quant.json"), "w") as f:
             json.dump(results, f, indent=1)
-        free(llm)
+        llm = model = None
+        release_device_memory()
 
     base = results["configs"]["bf16"]
     n_req = f"W1 ({args.num_requests} req)" if args.num_requests != 256 else "W1"
