@@ -121,7 +121,7 @@ def plan_vs_engine(results: dict, w1: str) -> list[dict]:
             t0 = time.perf_counter()
             llm = LLM(w1, load_format="dummy", skip_tokenizer_init=True, **flags)
             engine = llm.llm_engine
-            start = engine.startup_memory
+            start = engine.executor.worker.startup  # the in-process (uni) worker measured the start-up
             measured = {"weights": start.weights, "activation_peak": start.activation_peak,
                         "kv_tokens": engine.num_kv_blocks * 16, "others": start.others, "total": start.total}
             del llm, engine, start
