@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+SIGTERM = signal.SIGTERM  # (inside RemoteServer, `signal` names its method)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,7 +22,8 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0):
+    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0,
+                 new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -34,7 +37,9 @@ class RemoteServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVSERVE_API_KEY", None)
         env.pop("VLLM_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # new_session: the server and its children get a process group of their own (signal_group).
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         self.first_health_status: int | None = None  # what /health said first (503 while loading)
         self.first_health_body: bytes = b""
         try:
@@ -98,6 +103,10 @@ class RemoteServer:
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
+
+    def signal_group(self, sig: int = SIGTERM) -> None:
+        """The signal to every process of the server's group (needs new_session=True), as systemd sends it."""
+        os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

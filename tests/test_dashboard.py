@@ -121,7 +121,8 @@ def server(tiny_model_factory):
 def _metrics(server) -> dict[str, float]:
     """One scrape of /metrics: the page's samples."""
     samples = server.metrics()
-    return {name: next(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+    # Summed over label sets (kvserve:num_preemptions_total has one series per preemption mode).
+    return {name: sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
             for name in PAGE_STATS.values()}
 
 

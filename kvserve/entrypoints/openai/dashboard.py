@@ -46,11 +46,15 @@ class DashboardFeed:
         self._last: tuple[float, float, float] | None = None  # time, prompt total, generation total
 
     def metric_values(self) -> dict:
-        registry = self.metrics.registry
-        values = {}
-        for key, sample in METRIC_SAMPLES.items():
-            v = registry.get_sample_value(PREFIX + sample, self.labels)
-            values[key] = 0.0 if v is None else v
+        """Each sample summed over the label sets beyond model_name (num_preemptions has a `mode` label), as
+        a sum over /metrics' series would give."""
+        wanted = {PREFIX + sample: key for key, sample in METRIC_SAMPLES.items()}
+        values = dict.fromkeys(METRIC_SAMPLES, 0.0)
+        for family in self.metrics.registry.collect():
+            for s in family.samples:
+                key = wanted.get(s.name)
+                if key is not None and all(s.labels.get(k) == v for k, v in self.labels.items()):
+                    values[key] += s.value
         return values
 
     def sample(self, _snapshot: dict | None = None) -> None:
