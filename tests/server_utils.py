@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -119,3 +120,20 @@ class RemoteServer:
         if not self.log.closed:
             self.log.close()
             os.unlink(self.log.name)
+
+
+def stream_in_background(url: str, body: dict, timeout: float = 120) -> tuple[threading.Thread, list[str], threading.Event]:
+    """POSTs a streaming request on a thread: (the thread, the `data: ` lines as they arrive, set at the first)."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread, lines, started

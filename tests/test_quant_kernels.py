@@ -6,12 +6,11 @@ for AWQ and GPTQ layouts, and the FP8 KV cache write/read in the Triton attentio
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_interpreter import run_file_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -22,12 +21,7 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_ava
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
 def test_quant_kernels_in_interpreter_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-20000:]}"
+    out = run_file_in_interpreter(__file__)
     assert " passed" in out, out[-3000:]
 
 

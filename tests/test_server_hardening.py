@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, stream_in_background
 
 MAX_BODY = 1_000_000
 HEADER_TIMEOUT = 2
@@ -289,19 +289,8 @@ def test_11_strict_types_and_finite_ranges(server, body, param):
 # ---- 10. shutdown (last: it ends the trusting server) ------------------------------------------------------
 def test_10_shutdown_cuts_streams_with_an_error_and_answers_503_while_draining(trusting_server):
     srv = trusting_server
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        body = {"prompt": "Drain me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
+    body = {"prompt": "Drain me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    t, lines, started = stream_in_background(srv.url + "/v1/completions", body)
     assert started.wait(60)
     srv.signal(signal.SIGTERM)
     during = None

@@ -7,13 +7,12 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
 
 from kvserve.entrypoints.cli import build_parser, main
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, stream_in_background
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +37,7 @@ def test_vllm_command_line_and_startup(server, tiny_model_factory):
 
 def test_sigterm_lets_streams_finish_then_exits_zero(server):
     body = {"prompt": "Drain me", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
+    t, lines, started = stream_in_background(server.url + "/v1/completions", body)
     assert started.wait(60)
     server.signal(signal.SIGTERM)
     t.join(120)
@@ -67,18 +55,7 @@ def test_sigterm_to_the_process_group_still_drains(tiny_model_factory):
     srv = RemoteServer(path, "--max-model-len", "256", "--dtype", "float32", new_session=True)
     try:
         body = {"prompt": "Drain me", "max_tokens": 40, "ignore_eos": True, "stream": True}
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream():
-            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        t, lines, started = stream_in_background(srv.url + "/v1/completions", body)
         assert started.wait(60)
         srv.signal_group(signal.SIGTERM)
         t.join(120)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_interpreter import run_file_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -32,12 +31,7 @@ RTOL = 1e-4
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
 def test_triton_kernels_in_interpreter_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-20000:]}"
+    out = run_file_in_interpreter(__file__)
     summary = out.strip().splitlines()[-1]
     if not re.search(r"\d+ passed", summary):
         pytest.skip(f"interpreter run passed nothing: {summary}")
