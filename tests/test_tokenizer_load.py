@@ -31,3 +31,30 @@ def test_fast_load_equals_autotokenizer():
         (reference.eos_token_id, reference.bos_token_id, reference.all_special_ids)
     # The shortcut is scoped to the load: deep copies made afterwards are real copies again.
     assert Tokenizer not in copy._deepcopy_dispatch
+
+
+def test_shortcut_ends_with_the_last_of_overlapping_loads():
+    """The engine loads its tokenizer on a thread while another load may run: the identity deep copy must be
+    registered while any load runs and gone after the last one, also when the first to start ends first."""
+    import copy
+    import threading
+
+    from tokenizers import Tokenizer
+
+    from kvserve.model.default_model import _shared_fresh_tokenizer_objects
+
+    first_in, second_in = threading.Event(), threading.Event()
+
+    def first():
+        with _shared_fresh_tokenizer_objects():
+            first_in.set()
+            second_in.wait(30)  # ends while the second load still runs
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert first_in.wait(30)
+    with _shared_fresh_tokenizer_objects():
+        second_in.set()
+        t.join(30)
+        assert Tokenizer in copy._deepcopy_dispatch  # the second load still runs
+    assert Tokenizer not in copy._deepcopy_dispatch

@@ -17,6 +17,7 @@ import shutil
 import site
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -141,22 +142,35 @@ def load_tokenizer(model_path: str | os.PathLike[str], gguf_file: str | None = N
         return AutoTokenizer.from_pretrained(str(path))
 
 
+_SHORTCUT_LOCK = threading.Lock()
+_shortcut_users = 0  # loads inside the shortcut right now (the engine loads one on a thread, the server another)
+_shortcut_previous = None
+
+
 @contextlib.contextmanager
 def _shared_fresh_tokenizer_objects():
     """transformers 5 parses tokenizer.json into a Tokenizer, then deep-copies that fresh object through
     pickle: a second full parse, seconds for a 128k vocabulary (start-up time). Nothing else holds the
-    object, so the copy can be the object itself while the tokenizer loads."""
+    object, so the copy can be the object itself while tokenizers load. Counted under a lock: loads on
+    several threads overlap, and the registration must end with the last of them."""
+    global _shortcut_users, _shortcut_previous
     try:
         from tokenizers import Tokenizer
     except ImportError:
         yield
         return
-    previous = copy._deepcopy_dispatch.get(Tokenizer)
-    copy._deepcopy_dispatch[Tokenizer] = lambda obj, memo: obj
+    with _SHORTCUT_LOCK:
+        if _shortcut_users == 0:
+            _shortcut_previous = copy._deepcopy_dispatch.get(Tokenizer)
+            copy._deepcopy_dispatch[Tokenizer] = lambda obj, memo: obj
+        _shortcut_users += 1
     try:
         yield
     finally:
-        if previous is None:
-            copy._deepcopy_dispatch.pop(Tokenizer, None)
-        else:
-            copy._deepcopy_dispatch[Tokenizer] = previous
+        with _SHORTCUT_LOCK:
+            _shortcut_users -= 1
+            if _shortcut_users == 0:
+                if _shortcut_previous is None:
+                    copy._deepcopy_dispatch.pop(Tokenizer, None)
+                else:
+                    copy._deepcopy_dispatch[Tokenizer] = _shortcut_previous
