@@ -13,8 +13,6 @@ import time
 
 import httpx
 
-SIGTERM = signal.SIGTERM  # (inside RemoteServer, `signal` names its method)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,8 +21,7 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0,
-                 new_session: bool = False):
+    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -38,9 +35,7 @@ class RemoteServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVSERVE_API_KEY", None)
         env.pop("VLLM_API_KEY", None)
-        # new_session: the server and its children get a process group of their own (signal_group).
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=new_session)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.first_health_status: int | None = None  # what /health said first (503 while loading)
         self.first_health_body: bytes = b""
         try:
@@ -104,10 +99,6 @@ class RemoteServer:
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
-
-    def signal_group(self, sig: int = SIGTERM) -> None:
-        """The signal to every process of the server's group (needs new_session=True), as systemd sends it."""
-        os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

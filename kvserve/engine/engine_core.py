@@ -119,12 +119,9 @@ def _portable(e: Exception) -> Exception:
 def run_engine_core_process(args, conn) -> None:
     """Entry point of the engine process: load, report ("ready", config) or ("error", message), then serve
     commands arriving on `conn` until "stop" or until the server's end of the pipe closes."""
-    # The server decides when the engine stops (it drains first): a Ctrl-C in the terminal, or a SIGTERM to
-    # the whole process group (systemd's default, `kill -- -PGID`), must not kill the engine under in-flight
-    # requests. The engine still stops on the server's "stop", when the server's end of the pipe closes, or
-    # on SIGKILL (the server's last resort).
+    # The server decides when the engine stops (it drains first): a Ctrl-C in the terminal reaches the whole
+    # process group, and must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:

@@ -35,10 +35,7 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
     _die_with_parent(rank)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
-    # The engine decides when workers stop (a signal to the whole process group must not kill them under
-    # the server's drain); the executor's stop message, the parent's death or SIGKILL end them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     send_lock = threading.Lock()
