@@ -316,7 +316,7 @@ def run_child(spec: dict, cpu: bool, out_file: str) -> None:
 
 # ---- the driver ------------------------------------------------------------------------------------------
 def run_vllm(spec: dict, out: str, quick: bool) -> dict:
-    """vLLM's own benchmark script, as it is, from the bundle in .vllm/ (see ../shared/vllm/README.md)."""
+    """vLLM's own benchmark script, as it is, from the vLLM 0.26.0 bundle copied into the git-ignored .vllm/."""
     bench = os.path.join(os.getcwd(), ".vllm", "vllm_bench.py")
     if not os.path.exists(bench):
         return dict(status="skipped: no vLLM bundle in .vllm/")
