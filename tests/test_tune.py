@@ -3,8 +3,8 @@ with a scripted benchmark (the tuner's logic, not the engine's speed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-
 
 from kvserve.bench import tune
 from kvserve.entrypoints.cli import main
@@ -87,3 +87,21 @@ def test_interrupt_prints_the_partial_table(tiny_model_factory, capsys, monkeypa
     out = capsys.readouterr().out
     assert "Interrupted: the trials so far (3):" in out and "kvserve serve" in out
     assert len(results.read_text().splitlines()) == 3  # resumable from here
+
+
+def test_resume_counts_the_budget_already_spent(tiny_model_factory, capsys, monkeypatch, tmp_path):
+    path, _ = tiny_model_factory("llama")
+    calls = _scripted(monkeypatch, lambda s: 100.0 + s["max_num_seqs"])
+    results = tmp_path / "r.jsonl"
+    # Two trials of a minute each were measured before an interruption: a 2.5-minute budget has no room left
+    # for a third (it would end after the budget), a 10-minute one goes on.
+    spent = [tune.Trial({"max_model_len": 64, "gpu_memory_utilization": 0.9, "max_num_seqs": s,
+                         "max_num_batched_tokens": 2048}, "coarse", 100.0, 200.0, 1.0, 0, 1.0, None, 60.0)
+             for s in (32, 64)]
+    results.write_text("".join(json.dumps(dataclasses.asdict(t)) + "\n" for t in spent))
+    assert main(["tune", path, *DATASET, "--budget-minutes", "2.5", "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "2.0 of the 2.5 budget minutes already spent" in out and calls == []
+    assert main(["tune", path, *DATASET, "--budget-minutes", "10", "--max-trials", "1",
+                 "--results", str(results)]) == 0
+    assert len(calls) == 1

@@ -52,6 +52,7 @@ class Trial:
     num_preemptions: int | None = None
     elapsed: float | None = None
     error: str | None = None
+    wall_s: float | None = None  # the whole trial, engine start included: what the budget is spent on
 
     @property
     def key(self) -> str:
@@ -71,6 +72,7 @@ def run_trial(engine_args, settings: dict, requests, stage: str) -> Trial:
     from kvserve.bench.throughput import run_kvserve
 
     trial = Trial(dict(settings), stage)
+    started = time.monotonic()
     try:
         elapsed, outputs, _ = run_kvserve(dataclasses.replace(engine_args, **settings), requests, False, False)
     except (ValueError, RuntimeError) as e:  # does not fit (StartupMemoryError), or ran out of memory
@@ -78,6 +80,7 @@ def run_trial(engine_args, settings: dict, requests, stage: str) -> Trial:
         return trial
     finally:
         _release_device_memory()
+        trial.wall_s = round(time.monotonic() - started, 2)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     all_tokens = out_tokens + sum(len(o.prompt_token_ids) for o in outputs)
     ttfts = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outputs
@@ -107,19 +110,29 @@ class Tuner:
         self.started = time.monotonic()
         self.budget = ns.budget_minutes * 60
         self.num_run = 0
+        # A resumed run has already spent the wall time of the trials it reads: the budget is for the whole tuning.
+        self.spent_before = 0.0
+        self.num_before = 0
         if self.results_path and self.results_path.exists():
             for line in self.results_path.read_text().splitlines():
                 if line.strip():
                     t = Trial(**json.loads(line))
                     self.done[t.key] = t
-            print(f"Resuming: {len(self.done)} trials read from {self.results_path}")
+                    self.spent_before += t.wall_s or 0.0
+                    self.num_before += 1
+            print(f"Resuming: {len(self.done)} trials read from {self.results_path} "
+                  f"({self.spent_before / 60:.1f} of the {self.budget / 60:g} budget minutes already spent)")
+
+    def spent(self) -> float:
+        return self.spent_before + time.monotonic() - self.started
 
     # ---- running -----------------------------------------------------------------------------------
     def out_of_budget(self) -> bool:
         if self.ns.max_trials is not None and self.num_run >= self.ns.max_trials:
             return True
-        mean = (time.monotonic() - self.started) / self.num_run if self.num_run else 0
-        return time.monotonic() - self.started + mean > self.budget
+        runs = self.num_run + self.num_before
+        mean = self.spent() / runs if runs else 0
+        return self.spent() + mean > self.budget
 
     def measure(self, settings: dict, stage: str) -> Trial | None:
         trial = Trial(dict(settings), stage)
@@ -142,7 +155,7 @@ class Tuner:
     def _progress(self, t: Trial) -> None:
         if self.ns.disable_tqdm:
             return
-        spent = time.monotonic() - self.started
+        spent = self.spent()
         filled = min(30, int(30 * spent / self.budget)) if self.budget else 30
         bar = "#" * filled + "." * (30 - filled)
         what = t.error.split(":")[0] if t.error else f"{t.output_tokens_per_second:,.1f} out tok/s"
