@@ -4,6 +4,7 @@ from a memory budget."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -142,13 +143,20 @@ def test_server_runtime_oom_is_a_500_then_preemptions_are_reported(llama, monkey
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
         assert "Out of memory in a step" in srv.log_tail()
 
-        def complete(prompt):
+        def complete(numbered):
+            i, prompt = numbered
             body = {"model": llama, "prompt": prompt, "max_tokens": 20, "ignore_eos": True}
+            if i % 2:  # every other one streams: its final usage chunk reports the count as well
+                body.update(stream=True, stream_options={"include_usage": True})
+                lines = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).text.splitlines()
+                chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+                return chunks[-1]["usage"]
             return httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()["usage"]
 
         # 8 requests of 44 + 20 tokens (4 blocks each) at once: any 4 running need 16 of the 12 blocks.
         with ThreadPoolExecutor(8) as pool:
-            usages = list(pool.map(complete, random_prompts(8, 44, 44, seed=4)))
+            usages = list(pool.map(complete, enumerate(random_prompts(8, 44, 44, seed=4))))
+        assert all(u["completion_tokens"] == 20 for u in usages)
         preempted = sum(u.get("num_preemptions", 0) for u in usages)
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
         counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvserve.bench.args import add_dataset_args, requests_from_args
+from kvserve.bench.datasets import W1_MODEL_ALIAS
 from kvserve.bench.engine_setup import add_model_args, bench_engine_args
 
 TUNED = ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
@@ -254,7 +255,9 @@ def run(ns: argparse.Namespace) -> int:
             tokenizer = load_tokenizer(config.tokenizer_path)
         requests = requests_from_args(ns, config.model_config.vocab_size, tokenizer)
         tuner = Tuner(ns, engine_args, requests, config.device == "cuda", ns.results)
-        model = ns.model or ""  # the embedded default model
+        # No model: the embedded default one, or with --dataset w1 a directory holding W1's config (dummy weights).
+        w1 = ns.model in (None, W1_MODEL_ALIAS) and ns.dataset == "w1"
+        model = "W1_CONFIG_DIR --load-format dummy" if w1 else (ns.model or "")
         try:
             tuner.run()
         except KeyboardInterrupt:

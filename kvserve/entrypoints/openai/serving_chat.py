@@ -167,7 +167,7 @@ class ServingChat(ServingBase):
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
-        num_completion = 0
+        num_completion = num_preemptions = 0
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
             for k in range(req.n):
@@ -177,6 +177,7 @@ class ServingChat(ServingBase):
                     first["usage"] = usage(num_prompt, 0)
                 yield sse(first)
             async for out in stream:
+                num_preemptions = getattr(out, "num_preemptions", 0)  # the request's count so far
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -189,10 +190,10 @@ class ServingChat(ServingBase):
                     chunk = {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                     if continuous:
-                        chunk["usage"] = usage(num_prompt, num_completion)
+                        chunk["usage"] = usage(num_prompt, num_completion, num_preemptions)
                     yield sse(chunk)
             if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion)})
+                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion, num_preemptions)})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)

@@ -149,6 +149,7 @@ class ServingCompletion(ServingBase):
             async for i, out in merged(streams):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
+                p.num_preemptions = getattr(out, "num_preemptions", 0)  # the request's count so far
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if (not c.text and not c.token_ids and c.finish_reason is None
@@ -161,12 +162,12 @@ class ServingCompletion(ServingBase):
                              "choices": [{"index": i * req.n + c.index, "text": text, "logprobs": logprobs,
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                     if continuous:
-                        chunk["usage"] = usage(num_prompt, num_completion)
+                        chunk["usage"] = usage(num_prompt, num_completion, sum(q.num_preemptions for q in prompts))
                     yield sse(chunk)
             if include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
                            "model": self.served_model_name, "choices": [],
-                           "usage": usage(num_prompt, num_completion)})
+                           "usage": usage(num_prompt, num_completion, sum(q.num_preemptions for q in prompts))})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)
