@@ -110,6 +110,7 @@ def decode_round(llm, timer, num_reqs=64, prompt_len=32, steps=48, tag="r") -> d
         engine.step()
     wall, cpu = time.perf_counter() - t, time.thread_time() - c
     res = {"step": wall / steps, "cpu": cpu / steps, **{k: v / steps for k, v in timer.t.items()}}
+    res["launch_host_cpu"] = res["launch_cpu"] - res["forward_cpu"]
     while engine.has_unfinished_requests():
         engine.step()
     _sync()
@@ -137,7 +138,8 @@ def ttft_round(llm, timer, repeats=20) -> dict:
         best_cpu = min(best_cpu, cpu)
         if wall < best:
             best, parts, steps = wall, dict(timer.t), _count_steps(engine) - n0
-    return {"ttft": best, "cpu": best_cpu, "steps": steps, **parts}
+    return {"ttft": best, "cpu": best_cpu, "steps": steps, **parts,
+            "launch_host_cpu": parts["launch_cpu"] - parts["forward_cpu"]}
 
 
 def _count_steps(engine) -> int:
@@ -164,6 +166,9 @@ def profile(fn, label: str, out: dict) -> None:
     prof.enable()
     fn()
     prof.disable()
+    # Python function calls in the scenario: deterministic, so trees compare exactly on a loaded machine.
+    out[f"profile_{label}_calls"] = pstats.Stats(prof).total_calls
+    print(f"{label}: {out[f'profile_{label}_calls']} Python function calls under cProfile", flush=True)
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(30)
@@ -228,6 +233,7 @@ def main():
     for part in PARTS:
         print(f"| {part} | {ms(decode, part)} | {ms(ttft, part)} |")
         print(f"| {part}, CPU | {ms(decode, part + '_cpu')} | {ms(ttft, part + '_cpu')} |")
+    print(f"| launch - forward, CPU | {ms(decode, 'launch_host_cpu')} | {ms(ttft, 'launch_host_cpu')} |")
     if "steps" in ttft:
         print(f"| engine steps in the TTFT call | | {ttft['steps']['best']} |")
 
