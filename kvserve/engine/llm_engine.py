@@ -30,8 +30,8 @@ from kvserve.model.generation_config import describe as describe_generation_defa
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import memory
-from kvserve.worker.sampling_metadata import sampling_inputs_valid
 from kvserve.worker.runner_output import PendingOutput
+from kvserve.worker.sampling_metadata import sampling_inputs_valid
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,9 @@ class LLMEngine:
         # while any exist, a step waits for the previous step's tokens before scheduling.
         self._needs_history: set[str] = set()
         self._carried_outputs: list[RequestOutput] = []
-        self._scheduled_now: SchedulerOutput | None = None  # what the current step() scheduled (OOM triage)
-        self._last_scheduled: list = []  # requests of the step that failed (recover_from_failed_step)
+        # What the current step() scheduled, and the step that was in flight when it did (None: none), or
+        # None before it schedules: after a failure, OOM triage and recover_from_failed_step read it.
+        self._scheduled_now: tuple[SchedulerOutput, SchedulerOutput | None] | None = None
 
     def _init_swap_space(self) -> dict:
         """--swap-space and --preemption-mode: the CPU blocks, and for auto the two costs it compares."""
@@ -118,7 +119,7 @@ class LLMEngine:
             logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
                            bytes_per_block)
             mode = "recompute"
-        swap = dict(num_cpu_blocks=num_cpu_blocks, preemption_mode=mode)
+        swap = {"num_cpu_blocks": num_cpu_blocks, "preemption_mode": mode}
         if mode == "recompute":
             return swap
         self.executor.collective_rpc("initialize_swap_space", num_cpu_blocks)
@@ -228,7 +229,6 @@ class LLMEngine:
         # Outputs of a step that completed before an out-of-memory error in the same call.
         outputs, self._carried_outputs = self._carried_outputs, []
         self._scheduled_now = None
-        self._last_scheduled = []
         try:
             if self.max_batches_in_flight > 1:
                 return outputs + self._pipelined_step()
@@ -240,10 +240,8 @@ class LLMEngine:
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        self._scheduled_now = sched_out = self.scheduler.schedule()
-        self._last_scheduled = list(sched_out.scheduled)
-        if self._in_flight is not None:
-            self._last_scheduled += self._in_flight.sched_out.scheduled
+        sched_out = self.scheduler.schedule()
+        self._scheduled_now = (sched_out, self._in_flight.sched_out if self._in_flight is not None else None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
         if self._needs_history and sched_out.finished_req_ids:
@@ -265,7 +263,8 @@ class LLMEngine:
         per-request parts of sampling), aborts them and returns their ids; every other request is rolled
         back to recompute (its K/V and tokens in flight are dropped) and goes on. When no request is to
         blame, every request of the failed step is aborted: the engine itself keeps serving."""
-        scheduled = self._last_scheduled
+        # This step's requests and those of the step that was in flight when it was scheduled.
+        scheduled = [s for step in self._scheduled_now or () if step is not None for s in step.scheduled]
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
@@ -276,7 +275,7 @@ class LLMEngine:
                    if c in self.output_processor.samples}
         self.abort_request(sorted(parents))
         self._in_flight = None
-        self._last_scheduled = []
+        self._scheduled_now = None
         self.scheduler.roll_back_running()
         self.kv_cache_manager.reset_prefix_cache()  # a failed forward may have left blocks half written
         return sorted(parents)
@@ -284,7 +283,8 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
-        self._scheduled_now = sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule()
+        self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
         if not sched_out.is_empty:
@@ -300,7 +300,9 @@ class LLMEngine:
         """A step ran out of device memory: its requests (and those of a step in flight) fail, everything
         else keeps running, and the log says which setting to lower. Requests are not retried: a smaller
         batch is what the next steps get anyway once these are gone."""
-        steps = [s for s in (self._scheduled_now, self._in_flight.sched_out if self._in_flight else None) if s]
+        # This step's batch, if it got that far, and the one still in flight now (not yet finished).
+        now = self._scheduled_now[0] if self._scheduled_now is not None else None
+        steps = [s for s in (now, self._in_flight.sched_out if self._in_flight else None) if s]
         self._in_flight = None
         core_ids = {s.request_id for step in steps for s in step.scheduled}
         parents = sorted({self.output_processor.samples[c].parent.request_id
