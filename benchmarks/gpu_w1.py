@@ -287,6 +287,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--compare-sync", action="store_true", help="also run batch-1 and W1 with async scheduling off")
     ap.add_argument("--sync-check-only", action="store_true", help="only look for hidden host syncs in decode steps")
+    ap.add_argument("--ttft-only", action="store_true",
+                    help="only time to first token at 128 and 2,048 tokens (for an A/B of two trees in one session)")
     ap.add_argument("--vllm-json", help="vllm_bench.py's JSON written earlier in the same device command: "
                                         "print ratios against it")
     args = ap.parse_args()
@@ -315,6 +317,13 @@ def main():
             print("sampled" if sampled else "greedy", count_host_syncs(llm, sampled))
         return
     print("start_to_ready_s", results["start_to_ready_s"], flush=True)
+    if args.ttft_only:
+        run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
+        measure_ttft(llm, 128, results, repeats=20)
+        measure_ttft(llm, 2048, results, repeats=10)
+        with open(os.path.join(args.out, "gpu_w1_ttft.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], "warmup", results)
     run_kvserve(llm, [(p, slice_out) for p, _ in reqs[:slice_batch]], "kvserve_slice", results)
     run_kvserve(llm, [batch1_request()], "batch1", results)
