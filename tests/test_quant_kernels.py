@@ -1,7 +1,8 @@
 """Triton kernels of quantization against their torch references, on the CPU through Triton's
 interpreter (a subprocess with TRITON_INTERPRET=1, as in test_triton_attention.py: the variable must be
-set before triton is imported): the int4/int8 dequantize-GEMM (prefill tiles and the split-K decode path)
-for AWQ and GPTQ layouts, and the FP8 KV cache write/read in the Triton attention backend."""
+set before triton is imported): the int4/int8 kernels for AWQ and GPTQ layouts (the fused
+dequantize-GEMM, the split-K skinny decode kernel, the dequantize kernel of the prefill path, and the
+dispatch by M), and the FP8 KV cache write/read in the Triton attention backend."""
 
 from __future__ import annotations
 
@@ -80,6 +81,92 @@ def test_int_gemm_equals_reference(method, opt, rows):
         single = int_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits,
                           layer.group_size, split_k=1)
         torch.testing.assert_close(got, single, atol=1e-4, rtol=1e-4)
+
+
+# Every int layout the new paths must handle: AWQ groups, GPTQ 4/8 bit, sym/asym, act-order or not.
+INT_CASES = KERNEL_CASES + [
+    ("gptq", {"bits": 4, "group_size": 64, "desc_act": True, "sym": True}),
+    ("gptq", {"bits": 4, "group_size": 128, "desc_act": False, "sym": False}),
+    ("gptq", {"bits": 8, "group_size": 128, "desc_act": False, "sym": False}),
+    ("gptq", {"bits": 8, "group_size": 32, "desc_act": True, "sym": False}),
+]
+INT_IDS = [f"{m}-{'-'.join(f'{k}{v}' for k, v in o.items())}" for m, o in INT_CASES]
+
+
+def _on_device(layer):
+    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+    for p in layer.parameters():
+        p.data = p.data.to(device)
+    return device
+
+
+@needs_interpreter
+@pytest.mark.parametrize("method,opt", INT_CASES, ids=INT_IDS)
+def test_dequantize_kernel_equals_reference(method, opt):
+    """The prefill path's dequantize kernel writes exactly IntWeights.dequantize's W (same fp32 ops)."""
+    from kvserve.model.quantization.int_weights import IntWeights
+    from kvserve.model.quantization.triton_int_dequant import dequantize_int
+
+    layer = _layer(method, 384, 96, **opt)  # 3 K tiles of 128; 96 columns: a masked N tile
+    _on_device(layer)
+    reference = IntWeights.dequantize(layer).float()
+    args = (layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits, layer.group_size)
+    assert torch.equal(dequantize_int(*args, torch.float32), reference)
+    # bf16: one rounding of the same fp32 value (the interpreter truncates where the GPU rounds to nearest).
+    torch.testing.assert_close(dequantize_int(*args, torch.bfloat16).float(), reference, atol=0, rtol=2**-7)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("method,opt", INT_CASES, ids=INT_IDS)
+@pytest.mark.parametrize("rows", [1, 5])  # the FMA (one row) and tl.dot variants
+def test_skinny_split_k_equals_reference(method, opt, rows):
+    """Every split count (1: direct store; several, with a ragged last split) gives the reference product,
+    and the shared workspace and tile counters are left zero for the next call (CUDA-graph replays rely
+    on it)."""
+    from kvserve.model.quantization.int_weights import IntWeights
+    from kvserve.model.quantization.triton_int_gemv import _workspaces, skinny_int_gemm
+
+    k, n = (320 if opt["group_size"] <= 64 else 384), 96  # 320: a partial last K tile of 128
+    layer = _layer(method, k, n, **opt)
+    device = _on_device(layer)
+    x = torch.randn(rows, k, device=device)
+    reference = x @ IntWeights.dequantize(layer).float()
+    pack = 32 // layer.quant_bits
+    configs = [(64, 128, 4, 3), (32, 16 * pack, 2, 2)] if rows > 1 else [(128, 128, 4, 3), (32, 64, 2, 2)]
+    for config in configs:
+        for split in (1, 2, 3, 8):
+            got = skinny_int_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits,
+                                  layer.group_size, split, config)
+            torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4, msg=f"{config} split {split}")
+            ws = _workspaces.get(x.device)
+            if ws is not None:
+                assert not ws[0].any() and not ws[1].any(), "workspace not left clean"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("method,opt", [INT_CASES[2], INT_CASES[3], INT_CASES[5]], ids=[INT_IDS[2], INT_IDS[3],
+                                                                                       INT_IDS[5]])
+@pytest.mark.parametrize("rows", [1, 4, 16, 40, 256])  # skinny M=1, skinny dot, fused tiles, dequant + matmul
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int_matmul_dispatch(method, opt, rows, dtype):
+    """The engine's entry point at every path it picks by M, against the reference dequantize-then-matmul
+    in fp32; bf16 as served (scales, zeros and activations)."""
+    from kvserve.model.quantization.int_matmul import DEQUANT_MIN_M, int_matmul
+    from kvserve.model.quantization.int_weights import IntWeights
+
+    if INTERPRETED and dtype == torch.bfloat16 and 1 < rows < DEQUANT_MIN_M:
+        pytest.skip("the interpreter's tl.dot gives garbage for bf16 operands (the old kernel's too)")
+    k, n = 256, 96
+    layer = _layer(method, k, n, **opt)
+    device = _on_device(layer)
+    layer.scales.data = layer.scales.data.to(dtype)
+    layer.zeros.data = layer.zeros.data.to(dtype)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    reference = x.float() @ IntWeights.dequantize(layer).float()
+    got = int_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits, layer.group_size)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), reference, atol=tol, rtol=tol)
 
 
 FP8_KV_CASES = [  # (context lengths, query lengths, forced split-KV): prefill with context, mixed, decode

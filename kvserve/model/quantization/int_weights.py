@@ -6,8 +6,9 @@
 * ``g_idx``    int32 [K]: the group of input row k (act-order), or None for groups of consecutive rows.
 
 W[k, n] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n] and y = x @ W. On CUDA (and on the CPU under
-TRITON_INTERPRET=1) a Triton dequantize-GEMM computes it without materializing W; elsewhere the
-reference path below dequantizes, then multiplies.
+TRITON_INTERPRET=1) int_matmul.py picks a Triton kernel by the number of rows (split-K skinny GEMM for
+decode, dequantize + cuBLAS for prefill, the fused dequantize-GEMM between); elsewhere the reference
+path below dequantizes, then multiplies.
 """
 
 from __future__ import annotations
@@ -89,10 +90,10 @@ class IntWeights:
     @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda or _TRITON_INTERPRET:
-            from kvserve.model.quantization.triton_int_gemm import int_gemm
+            from kvserve.model.quantization.int_matmul import int_matmul
 
-            out = int_gemm(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
-                           layer.quant_bits, layer.group_size)
+            out = int_matmul(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
+                             layer.quant_bits, layer.group_size)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
         else:
             # The CPU reference path (tests, small models) keeps the dequantized weight after its first use:

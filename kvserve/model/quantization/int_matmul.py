@@ -1,0 +1,65 @@
+"""Which kernel multiplies activations by packed int4/int8 weights, chosen from shapes alone (no host
+syncs, so the choice is fixed inside a CUDA graph). The whole rule lives here.
+
+* M <= SKINNY_MAX_M (decode): the split-K skinny kernel (triton_int_gemv.py), weight-read bound.
+* M >= DEQUANT_MIN_M (prefill): dequantize W into a [K, N] scratch of x's dtype, then cuBLAS. The GEMM
+  is compute bound there; dequantizing costs ~K*N*(bits/8 + 2) bytes of traffic, a few percent of a
+  256-row GEMM's time. Scratch: K * N * 2 bytes per call for bf16 (gate_up of Llama-3.1-8B: 235 MB),
+  returned to PyTorch's caching allocator right after the matmul, so consecutive layers reuse it.
+* in between: the fused dequantize-GEMM tiles (triton_int_gemm.py), which never materialize W.
+The thresholds and launch configurations were chosen by reasoning, not measured:
+benchmarks/sweep_int4_linear.py times every path on the GPU so they can be moved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SKINNY_MAX_M = 16
+DEQUANT_MIN_M = 256
+# Skinny launch (BLOCK_N, BLOCK_K, num_warps, num_stages). M == 1: 128 columns x 16 int4 words per
+# step, one FMA per weight in registers. M > 1: tl.dot needs 16 words (BLOCK_K = 16 * PACK).
+SKINNY_M1_CONFIG = (128, 128, 4, 3)
+SKINNY_DOT_CONFIG = (64, 128, 4, 3)
+# Split-K: about PROGRAMS_PER_SM programs per SM in all, each still at least MIN_K_TILES tiles of K.
+PROGRAMS_PER_SM = 4
+MIN_K_TILES = 4
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def skinny_config(m: int, bits: int) -> tuple[int, int, int, int]:
+    block_n, block_k, warps, stages = SKINNY_M1_CONFIG if m == 1 else SKINNY_DOT_CONFIG
+    pack = 32 // bits
+    return block_n, max(block_k, 16 * pack) if m > 1 else block_k, warps, stages
+
+
+def skinny_split_k(n: int, k: int, device: torch.device, config: tuple[int, int, int, int]) -> int:
+    block_n, block_k = config[0], config[1]
+    tiles = -(-n // block_n)
+    want = -(-PROGRAMS_PER_SM * _num_sms(device) // tiles)
+    return max(1, min(want, k // (MIN_K_TILES * block_k)))
+
+
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """x [M, K] @ dequant(qweight) [K, N] -> [M, N] in x's dtype."""
+    m, k = x.shape
+    if m <= SKINNY_MAX_M:
+        from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
+
+        config = skinny_config(m, bits)
+        split = skinny_split_k(qweight.shape[1], k, x.device, config)
+        return skinny_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, split, config)
+    if m >= DEQUANT_MIN_M:
+        from kvserve.model.quantization.triton_int_dequant import dequantize_int
+
+        w = dequantize_int(qweight, scales, zeros, g_idx, bits, group_size, x.dtype)
+        return torch.matmul(x, w)
+    from kvserve.model.quantization.triton_int_gemm import int_gemm
+
+    return int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size)

@@ -1,0 +1,156 @@
+"""Split-K skinny GEMM (decode, M <= 16) for packed int4/int8 weights (the served layout of int_weights.py).
+
+Decode is weight-read bound: the kernel reads each packed int32 word exactly once, dequantizes it in
+registers with its group's scale and zero, and accumulates in fp32. N / BLOCK_N column tiles alone leave
+most of the 132 SMs idle at N = 4096, so K is split over `split_k` programs per tile as well.
+
+* M == 1 (BLOCK_M == 1): no tensor cores; a [BLOCK_K / PACK, BLOCK_N] fp32 accumulator takes one FMA
+  per weight, reduced over K once after the loop.
+* 2 <= M <= 16: tl.dot of x [16, BLOCK_K / PACK] with each field's dequantized rows.
+Fields are handled one at a time (field p of every word = rows word * PACK + p), so unpacking is a
+shift and a mask in the packed tile's own layout, and x is read at the matching strided rows. The int
+to float conversion uses the 2**23 trick: the bits of q | 0x4B000000 are the float 2**23 + q, so
+q - z is one subtraction of (z + 2**23), exact.
+
+Split-K partials meet in a per-device fp32 workspace by atomic adds; a per-tile counter tells the
+last program of a tile, which reads the sum, writes the output in its dtype, and zeroes its part of
+the workspace and its counter for the next call. One launch, no memset, no cast
+kernel, no host sync: CUDA-graph capturable. The workspace is shared by all layers of a device
+(kernels of one stream run one after the other).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om, k_per_split, split_k,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    KW: tl.constexpr = BLOCK_K // PACK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if BLOCK_M == 1:
+        acc = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_w = k0 // PACK + tl.arange(0, KW)
+        w_ok = offs_w < k_end // PACK  # K, k_per_split: multiples of PACK
+        tile_ok = w_ok[:, None] & n_ok[None, :]
+        packed = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * N + offs_n[None, :], mask=tile_ok, other=0)
+        if ONE_GROUP:  # BLOCK_K divides GROUP_SIZE and tiles start at multiples of BLOCK_K
+            sz = (k0 // GROUP_SIZE) * N + offs_n
+            s_tile = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            zm_tile = tl.load(z_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :] + 8388608.0
+        for p in tl.static_range(PACK):
+            rows = offs_w * PACK + p
+            if ONE_GROUP:
+                s = s_tile
+                zm = zm_tile
+            else:
+                if HAS_G_IDX:
+                    grp = tl.load(g_ptr + rows, mask=w_ok, other=0)
+                else:
+                    grp = rows // GROUP_SIZE
+                sz2 = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+                s = tl.load(s_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32)
+                zm = tl.load(z_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32) + 8388608.0
+            qf = (((packed >> (p * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = (qf - zm) * s  # rows past k_end: x is 0 there
+            if BLOCK_M == 1:
+                x = tl.load(x_ptr + rows, mask=w_ok, other=0.0).to(tl.float32)
+                acc += x[:, None] * w
+            else:
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + rows[None, :],
+                            mask=m_ok[:, None] & w_ok[None, :], other=0.0)
+                acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
+    if BLOCK_M == 1:
+        part = tl.sum(acc, axis=0)[None, :]
+    else:
+        part = acc
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws, part, mask=out_ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the tile's counter moves
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:  # the tile's last program: the others' partials are all in
+            # Read through L2 (an atomic, not a possibly stale L1 line), then clean up for the next call.
+            total = tl.atomic_add(ws, tl.zeros_like(part), mask=out_ok, sem="relaxed")
+            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(ws, tl.zeros_like(part), mask=out_ok)
+            tl.store(cnt_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptr + out_off, part.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+MAX_ROWS = 16
+# Workspace per device: M * N fp32 of one call and one counter per column tile, kept zero between
+# calls. Made at the first call (eager: CUDA-graph warm-up runs before capture) at this size; a call
+# needing more while a graph is being captured runs unsplit instead of allocating.
+_WS_MIN_FLOATS = MAX_ROWS * 65536
+_WS_MIN_COUNTERS = 4096
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # grown-out-of buffers a captured graph may still use
+
+
+def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ws = _workspaces.get(device)
+    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if ws is not None:
+        _retired.append(ws)
+    ws = (torch.zeros(max(floats, _WS_MIN_FLOATS), dtype=torch.float32, device=device),
+          torch.zeros(max(counters, _WS_MIN_COUNTERS), dtype=torch.int32, device=device))
+    _workspaces[device] = ws
+    return ws
+
+
+def skinny_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    g_idx: torch.Tensor | None, bits: int, group_size: int, split_k: int,
+                    config: tuple[int, int, int, int]) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ dequant(qweight) [K, N] -> [M, N] in x's dtype. config: (BLOCK_N, BLOCK_K,
+    num_warps, num_stages); split_k: programs per column tile along K (rounded to whole BLOCK_K tiles)."""
+    m, k = x.shape
+    assert m <= MAX_ROWS, m
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n = qweight.shape[1]
+    block_n, block_k, warps, stages = config
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, block_n)
+    ws = _workspace(x.device, m * n, tiles) if split_k > 1 else None
+    if split_k > 1 and ws is None:
+        k_per_split, split_k = k, 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dummy = qweight  # pointers that are never read
+    _skinny_kernel[(tiles, split_k)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else dummy, out,
+        ws[0] if ws else dummy, ws[1] if ws else dummy,
+        m, n, k, x.stride(0), out.stride(0), k_per_split, split_k,
+        BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
+        ONE_GROUP=g_idx is None and group_size % block_k == 0,
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    return out
