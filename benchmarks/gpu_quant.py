@@ -128,16 +128,25 @@ def main():
         "kv-fp8": {"kv_cache_dtype": "fp8"},
         "fp8+kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "awq-int4": "awq",
+        # The same with every M above the decode kernel's range through dequantize + cuBLAS: the A/B that
+        # tells where int_matmul.DEQUANT_MIN_M belongs (it is read at call time; graphs are per engine).
+        "awq-int4-dequant17": "awq-dequant17",
     }
     wanted = ["bf16"] + [c for c in configs if c != "bf16" and (not args.only or c in args.only.split(","))]
     ref = None
     awq_tensors = float_params = None
+    from kvserve.model.quantization import int_matmul
+
+    dequant_min_m = int_matmul.DEQUANT_MIN_M
     for name in wanted:
         extra = configs[name]
         t0 = time.perf_counter()
         llm = None
         try:
-            if extra == "awq":
+            if extra in ("awq", "awq-dequant17"):
+                from kvserve.model.quantization import int_matmul
+
+                int_matmul.DEQUANT_MIN_M = int_matmul.SKINNY_MAX_M + 1 if extra == "awq-dequant17" else dequant_min_m
                 cfg = dict(W1_CONFIG, quantization_config={"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP,
                                                            "zero_point": True, "version": "gemm"})
                 llm = LLM(write_config(cfg), **engine_kwargs(args))
