@@ -58,8 +58,8 @@ def _reshape_and_cache_kernel(
     vx = tl.load(v_ptr + tok64 * stride_vt + h * stride_vh + d, mask=mask)
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     if KV_FP8:  # e4m3 bytes of k / k_scale, v / v_scale (the cache is passed as uint8)
-        kx = e4m3_bits(tl.math.div_rn(kx.to(tl.float32), tl.load(k_scale_ptr)))
-        vx = e4m3_bits(tl.math.div_rn(vx.to(tl.float32), tl.load(v_scale_ptr)))
+        kx = e4m3_bits(tl.math.div_rn(kx.to(tl.float32), tl.load(k_scale_ptr).to(tl.float32)))
+        vx = e4m3_bits(tl.math.div_rn(vx.to(tl.float32), tl.load(v_scale_ptr).to(tl.float32)))
     tl.store(k_cache_ptr + dst, kx.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, vx.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
