@@ -10,7 +10,9 @@ Three ways in, one served layout (weight e4m3 [N, K] + per-output-channel float3
 Activations: dynamic per-token scales, or the checkpoint's static per-tensor input_scale.
 
 On CUDA with compute capability >= 8.9 the GEMM is torch._scaled_mm (row-wise scales) on the FP8 tensor
-cores. Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
+cores, its activations quantized by one Triton kernel (kvserve/ops/fp8_quant.py); up to
+triton_fp8_gemm.MAX_ROWS rows (decode) a Triton W8A16 kernel streams the e4m3 weight against unquantized
+activations instead (a static input scale is then unused). Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
 weight and multiplies in the activation dtype: weight-only FP8, activations are not quantized.
 """
 
