@@ -2,7 +2,11 @@
 interpreter (a subprocess with TRITON_INTERPRET=1, as in test_triton_attention.py: the variable must be
 set before triton is imported): the int4/int8 kernels for AWQ and GPTQ layouts (the fused
 dequantize-GEMM, the split-K skinny decode kernel, the dequantize kernel of the prefill path, and the
-dispatch by M), and the FP8 KV cache write/read in the Triton attention backend."""
+dispatch by M), the FP8 KV cache write/read in the Triton attention backend, and the FP8 linear kernels
+(per-token activation quantization, the small-M W8A16 GEMM).
+
+The interpreter's bf16 tl.dot is wrong (it multiplies raw bits), so GEMM kernels are checked in fp32 and
+fp16 here; benchmarks/sweep_int4_linear.py and sweep_fp8_linear.py check bf16 on the GPU."""
 
 from __future__ import annotations
 
@@ -202,3 +206,173 @@ def test_fp8_kv_cache_triton_equals_torch_reference(ctx_lens, q_lens, split):
     full = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), AttentionMetadata(**meta.__dict__), scale)
     n = meta.num_actual_tokens
     assert (out[:n] - full[:n]).abs().max() < 0.15
+
+
+def _all_e4m3_values() -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return v[~v.isnan()]
+
+
+def _encode_kernel():
+    """A kernel that stores e4m3_bits of its input (the jit function resolves names in this module)."""
+    global e4m3_bits
+    import triton
+    import triton.language as tl
+
+    from kvserve.ops.fp8_quant import e4m3_bits
+
+    @triton.jit
+    def encode(x_ptr, y_ptr, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y_ptr + o, e4m3_bits(tl.load(x_ptr + o)))
+
+    return encode
+
+
+@needs_interpreter
+def test_e4m3_encoding_equals_torch_cast():
+    """Every e4m3 value, the midpoints between neighbours (ties: round half to even), values just off them,
+    subnormals, zeros of both signs, overflow (clamped to +-448) and NaN: the same bytes as torch's cast."""
+    import triton
+
+    encode = _encode_kernel()
+    vals = _all_e4m3_values().sort().values
+    mids = (vals[:-1] + vals[1:]) / 2
+    torch.manual_seed(0)
+    x = torch.cat([vals, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), torch.randn(2000) * 100,
+                   torch.randn(2000) * 0.003, torch.tensor([0.0, -0.0, 500.0, -1e30, 1e-42, float("nan")])])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel())])
+    got = torch.empty(n, dtype=torch.uint8)
+    encode[(1,)](x, got, N=n)
+    want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(got, want), (x[got != want][:8], got[got != want][:8], want[got != want][:8])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(5, 4096), (2, 14336), (3, 100)])
+def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
+    """Same e4m3 bytes and same fp32 scales as the torch reference (division rounding included: div_rn),
+    dynamic scales (an all-zero row takes the minimum scale) and the static per-tensor input scale."""
+    from kvserve.model.quantization.fp8 import quantize_per_token as reference
+    from kvserve.ops.fp8_quant import quantize_per_token
+
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, cols) * torch.logspace(-3, 2, rows)[:, None]).to(dtype)
+    x[0] = 0
+    q, scale = quantize_per_token(x)
+    rq, rscale = reference(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(scale, rscale)
+    static = torch.tensor([0.37])
+    q, scale = quantize_per_token(x, static)
+    want = (x.float() / static).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scale, static.expand(rows, 1))
+    # A strided view (every other column) reads the same as its contiguous copy.
+    wide = torch.cat([x, x], dim=1)[:, ::2]
+    assert torch.equal(quantize_per_token(wide)[0].view(torch.uint8),
+                       quantize_per_token(wide.contiguous())[0].view(torch.uint8))
+
+
+def _fp8_weight(n: int, k: int):
+    from kvserve.model.quantization.fp8 import quantize_per_channel
+
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * 0.05 * torch.rand(n, 1)  # per-channel scales that differ
+    q, scale = quantize_per_channel(w)
+    return q, scale, q.float() * scale[:, None]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 48), (5, 640, 96), (16, 2048, 64), (33, 512, 32)])
+def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
+    """x @ (e4m3 weight * per-channel scale)^T: ragged K (640 is not a multiple of BLOCK_K), N not a multiple
+    of BLOCK_N, M past one BLOCK_M tile; split-K (forced) agrees with a single split."""
+    from kvserve.model.quantization.triton_fp8_gemm import w8a16_gemm
+
+    q, scale, ref_w = _fp8_weight(n, k)
+    x = torch.randn(m, k).to(dtype)
+    ref = x.float() @ ref_w.T
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: the output rounding
+    for split_k in (None, 1, 3):
+        got = w8a16_gemm(x, q, scale, split_k=split_k)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatch):
+    """Fp8LinearMethod.apply's GPU path on the CPU: torch._scaled_mm (no CPU FP8 GEMM) is replaced by its
+    definition. Up to MAX_ROWS rows the W8A16 kernel runs (activations unquantized: close to the
+    dequantized reference); above, the Triton per-token quantization feeds _scaled_mm with exactly the
+    reference quantize_per_token's bytes and scales."""
+    from torch import nn
+
+    from kvserve.model.quantization import fp8, triton_fp8_gemm
+
+    k, n = 256, 96
+    q, scale, ref_w = _fp8_weight(n, k)
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        calls.append((a.clone(), scale_a.clone()))
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    for static in (False, True):
+        calls.clear()
+        method = fp8.Fp8LinearMethod(checkpoint_is_fp8=True, weight_strategy="channel", static_input=static)
+        layer = nn.Module()
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.input_scale = nn.Parameter(torch.tensor([0.02]), requires_grad=False)
+        layer.fp8_gemm = True
+        x = torch.randn(2, rows, k, dtype=torch.float16)[:, : (rows + 1) // 2].contiguous()  # [2, ~rows/2, k]
+        bias = torch.randn(n, dtype=torch.float16)
+        out = method.apply(layer, x, bias)
+        assert out.shape == (*x.shape[:-1], n) and out.dtype == x.dtype
+        m = x.shape[0] * x.shape[1]
+        if m <= triton_fp8_gemm.MAX_ROWS:
+            assert not calls
+            torch.testing.assert_close(out.float(), x.float() @ ref_w.T + bias.float(), atol=3e-3, rtol=3e-3)
+            continue
+        (xq, x_scale), = calls
+        x2 = x.reshape(m, k)
+        if static:
+            want_q = (x2.float() / 0.02).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            want_s = torch.full((m, 1), 0.02)
+        else:
+            want_q, want_s = fp8.quantize_per_token(x2)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(x_scale, want_s)
+        # W8A8: the activation quantization error (e4m3: ~1/16 relative per element) stays small.
+        assert (out.float() - (x.float() @ ref_w.T + bias.float())).abs().max() < 0.1
+
+
+@needs_interpreter
+def test_fp8_kv_write_kernel_quantizes_like_torch():
+    """The KV write kernel's in-kernel e4m3 quantization (k / k_scale, clamped) against torch's
+    write_kv_cache, with values that clamp, subnormals, exact ties, strided K/V views and padded slots."""
+    from kvserve.ops.torch_attention import write_kv_cache
+    from kvserve.ops.triton_attention import reshape_and_cache
+
+    torch.manual_seed(0)
+    num_blocks, block_size, hkv, d, t = 6, 8, 2, 32, 11
+    ties = (_all_e4m3_values().sort().values[:64] + _all_e4m3_values().sort().values[1:65]) / 2
+    qkv = torch.randn(t, 3, hkv, d)  # K/V as strided views of a fused projection output
+    qkv[1, 1].view(-1)[:] = ties * 0.5  # k_scale 0.5: k / k_scale hits the ties exactly
+    qkv[0, 1, 0, :4] = torch.tensor([1e4, -1e4, 1e-5, -3e-4])
+    k, v = qkv[:, 1], qkv[:, 2]
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.013])
+    slots = torch.randperm(num_blocks * block_size)[:t]
+    slots[3] = -1  # CUDA-graph padding: skipped
+    ref = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float8_e4m3fn)
+    got = ref.clone()
+    keep = slots >= 0
+    write_kv_cache(k[keep], v[keep], ref, slots[keep], k_scale, v_scale)
+    reshape_and_cache(k, v, got, slots, t, k_scale, v_scale)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))

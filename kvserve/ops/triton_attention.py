@@ -4,7 +4,8 @@ Kernels, all launched without host syncs (grids are sized from python ints only,
 captured in a CUDA graph):
 
 * ``_reshape_and_cache_kernel``: one program per token of ``slot_mapping`` copies that token's K and V
-  (all kv heads) into the paged cache; negative slots (CUDA-graph padding) are skipped.
+  (all kv heads) into the paged cache; negative slots (CUDA-graph padding) are skipped. An FP8 cache is
+  quantized in the same pass (k / k_scale to e4m3).
 * ``_unified_attention_kernel``: mixed batches (prefill chunks with cached context, decodes). One
   program per (q tile, kv head), on a 1-D grid of ``num_q_tiles * Hkv`` with the kv head fastest and the
   tiles in reverse order. A q tile is BLOCK_Q consecutive query tokens of one request; the M dimension
@@ -29,16 +30,18 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.ops.fp8_quant import e4m3_bits
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -54,6 +57,9 @@ def _reshape_and_cache_kernel(
     kx = tl.load(k_ptr + tok64 * stride_kt + h * stride_kh + d, mask=mask)
     vx = tl.load(v_ptr + tok64 * stride_vt + h * stride_vh + d, mask=mask)
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
+    if KV_FP8:  # e4m3 bytes of k / k_scale, v / v_scale (the cache is passed as uint8)
+        kx = e4m3_bits(tl.math.div_rn(kx.to(tl.float32), tl.load(k_scale_ptr).to(tl.float32)))
+        vx = e4m3_bits(tl.math.div_rn(vx.to(tl.float32), tl.load(v_scale_ptr).to(tl.float32)))
     tl.store(k_cache_ptr + dst, kx.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, vx.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -298,20 +304,20 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     assert kv_cache.stride(-1) == 1
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if kv_cache.element_size() == 1:
-        # FP8: quantized by torch (elementwise over this step's K/V only; Triton's interpreter rounds
-        # float -> e4m3 wrongly near powers of two, so the kernel never converts), then copied as bytes.
-        from kvserve.ops.torch_attention import quantize_kv
-
-        k, v = quantize_kv(k[:n], k_scale).view(torch.uint8), quantize_kv(v[:n], v_scale).view(torch.uint8)
+    kv_fp8 = kv_cache.element_size() == 1
+    if kv_fp8:
+        # FP8: quantized in the kernel, bit for bit as torch_attention.quantize_kv (fp8_quant.e4m3_bits
+        # encodes with integer ops, so the interpreter checks the same code), stored as bytes.
         kv_cache = kv_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = slot_mapping  # unread
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _reshape_and_cache_kernel[(n,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=_next_pow2(num_kv_heads * head_dim),
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=block_size, KV_FP8=kv_fp8,
     )
 
 

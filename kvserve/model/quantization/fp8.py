@@ -10,7 +10,9 @@ Three ways in, one served layout (weight e4m3 [N, K] + per-output-channel float3
 Activations: dynamic per-token scales, or the checkpoint's static per-tensor input_scale.
 
 On CUDA with compute capability >= 8.9 the GEMM is torch._scaled_mm (row-wise scales) on the FP8 tensor
-cores. Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
+cores, its activations quantized by one Triton kernel (kvserve/ops/fp8_quant.py); up to
+triton_fp8_gemm.MAX_ROWS rows (decode) a Triton W8A16 kernel streams the e4m3 weight against unquantized
+activations instead (a static input scale is then unused). Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
 weight and multiplies in the activation dtype: weight-only FP8, activations are not quantized.
 """
 
@@ -154,12 +156,18 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer, x, bias=None):
         if not getattr(layer, "fp8_gemm", False):
             return torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
+        from kvserve.model.quantization import triton_fp8_gemm
+        from kvserve.ops import fp8_quant
+
         x2 = x.reshape(-1, x.shape[-1])
-        if self.static_input:
-            x_scale = layer.input_scale.expand(x2.shape[0], 1).contiguous()
-            xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        else:
-            xq, x_scale = quantize_per_token(x2)
+        if x2.shape[0] <= triton_fp8_gemm.MAX_ROWS:
+            # Decode: bound by reading the weight; stream the e4m3 weight against unquantized activations
+            # (chosen by shape only, so a captured CUDA graph always replays the same kernel).
+            out = triton_fp8_gemm.w8a16_gemm(x2, layer.weight, layer.weight_scale)
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            return out if bias is None else out + bias
+        # One Triton kernel: quantized rows and their scales (per token, or the static input scale).
+        xq, x_scale = fp8_quant.quantize_per_token(x2, layer.input_scale if self.static_input else None)
         # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
         out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
                                out_dtype=torch.bfloat16)

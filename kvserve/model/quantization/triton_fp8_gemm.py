@@ -1,0 +1,98 @@
+"""Weight-streaming FP8 GEMM for few rows (decode): W8A16, y = x @ (w_e4m3 * scale[:, None])^T.
+
+At a handful of rows a linear layer is bound by reading its weight; the FP8 weight is half of bf16's
+bytes. torch._scaled_mm would first need the activations quantized (another kernel) and its row-wise
+kernels are tuned for large M. Here each program reads a [BLOCK_N, BLOCK_K] slab of the e4m3 weight
+(contiguous along K, as stored), converts it to the activation dtype in registers and feeds tl.dot with
+the (unquantized) activation rows; the per-output-channel scale is applied once to the fp32 accumulator.
+Activations are not quantized, so this path is at least as accurate as W8A8.
+
+Few output tiles (small N) leave SMs idle: K is then split into fp32 partials summed afterwards
+(deterministic). The launch depends only on shapes, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # every tile whole along K: masks only on the row/column edges (constant along K)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < k_end
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
+    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    acc = acc * scale[None, :]
+    out_off = pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Rows up to which Fp8LinearMethod takes this path instead of quantize + torch._scaled_mm.
+MAX_ROWS = 16
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is 16 (tl.dot's minimum) up to MAX_ROWS.
+CONFIG = (16, 512, 4, 4)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
+               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (16/32-bit float), weight e4m3 [N, K], scale float32 [N] -> [M, N] in x's dtype.
+    split_k None: chosen from the shapes (split only when the N tiles alone leave SMs idle)."""
+    assert x.dim() == 2 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, warps, stages = config or CONFIG
+    block_m = max(16, triton.next_power_of_2(min(m, 64)))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    if split_k is None:
+        sms = _num_sms(x.device)
+        split_k = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k)))
+    # Splits start at multiples of BLOCK_K.
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        stride_os = 0
+    else:
+        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        stride_os = out.stride(0)
+    if m == 0:
+        return out if split_k == 1 else out.sum(0).to(x.dtype)
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    _w8a16_kernel[grid](
+        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), n, stride_os, k_per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )
+    return out if split_k == 1 else out.sum(0).to(x.dtype)
