@@ -27,6 +27,20 @@ from benchmarks.gpu_w1 import W1_CONFIG, batch1_request, greedy, run_kvserve, w1
 
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32
 AWQ_GROUP = 128
+KNOBS = "_knobs"  # {"package.module.CONSTANT": value} set for one configuration, then restored
+
+
+def set_knobs(knobs: dict) -> dict:
+    """Sets module constants; returns what restores them."""
+    import importlib
+
+    old = {}
+    for path, value in knobs.items():
+        module, attr = path.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        old[path] = getattr(mod, attr)
+        setattr(mod, attr, value)
+    return old
 
 
 def engine_kwargs(args) -> dict:
@@ -125,28 +139,28 @@ def main():
     configs = {
         "bf16": {},
         "fp8": {"quantization": "fp8"},
+        # A/B rows for the rules that pick a kernel by rows (read at call time; each engine captures its own
+        # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode), and
+        # AWQ with every M above the decode kernel through dequantize + cuBLAS.
+        "fp8-scaled-mm-only": {"quantization": "fp8",
+                               KNOBS: {"kvserve.model.quantization.triton_fp8_gemm.MAX_ROWS": 0}},
         "kv-fp8": {"kv_cache_dtype": "fp8"},
         "fp8+kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "awq-int4": "awq",
-        # The same with every M above the decode kernel's range through dequantize + cuBLAS: the A/B that
-        # tells where int_matmul.DEQUANT_MIN_M belongs (it is read at call time; graphs are per engine).
-        "awq-int4-dequant17": "awq-dequant17",
+        "awq-int4-dequant17": {KNOBS: {"kvserve.model.quantization.int_matmul.DEQUANT_MIN_M": 17}, "awq": True},
     }
     wanted = ["bf16"] + [c for c in configs if c != "bf16" and (not args.only or c in args.only.split(","))]
     ref = None
     awq_tensors = float_params = None
-    from kvserve.model.quantization import int_matmul
-
-    dequant_min_m = int_matmul.DEQUANT_MIN_M
     for name in wanted:
-        extra = configs[name]
+        extra = {"awq": True} if configs[name] == "awq" else dict(configs[name])
+        knobs = extra.pop(KNOBS, {})
         t0 = time.perf_counter()
         llm = None
+        restore = {}
         try:
-            if extra in ("awq", "awq-dequant17"):
-                from kvserve.model.quantization import int_matmul
-
-                int_matmul.DEQUANT_MIN_M = int_matmul.SKINNY_MAX_M + 1 if extra == "awq-dequant17" else dequant_min_m
+            restore = set_knobs(knobs)
+            if extra.pop("awq", False):
                 cfg = dict(W1_CONFIG, quantization_config={"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP,
                                                            "zero_point": True, "version": "gemm"})
                 llm = LLM(write_config(cfg), **engine_kwargs(args))
@@ -175,6 +189,10 @@ def main():
         except Exception as exc:  # one failing configuration must not hide the others' numbers
             logging.exception("config %s failed", name)
             res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        finally:
+            set_knobs(restore)
+        if knobs:
+            res["knobs"] = knobs
         results["configs"][name] = res
         with open(os.path.join(args.out, "gpu_quant.json"), "w") as f:
             json.dump(results, f, indent=1)
