@@ -81,7 +81,7 @@ def skinny_variants(x, ref, layers, copies, dev) -> dict:
     n = layers[0]["qweight"].shape[1]
     variants = {}
     for cfg in (M1_CONFIGS if m == 1 else DOT_CONFIGS):
-        split0 = rule.skinny_split_k(n, k, dev, cfg)
+        split0 = rule.skinny_split_k(n, k, dev, cfg, m)
         for split in sorted({1, split0, split0 * 2}):
             name = f"skinny{cfg} split{split}"
             try:
@@ -111,7 +111,7 @@ def measure(m: int, k: int, n: int, layers, w_nk, w_ref, copies: int, bf16_copie
     row["bf16_TBps"] = k * n * 2 / row["bf16_us"] / 1e6
     row["new_TBps"] = int_bytes / row["new_us"] / 1e6
     if m <= rule.SKINNY_MAX_M:
-        row["rule_split"] = rule.skinny_split_k(n, k, dev, rule.skinny_config(m, BITS))
+        row["rule_split"] = rule.skinny_split_k(n, k, dev, rule.skinny_config(m, BITS), m)
         variants = skinny_variants(x, ref, layers, copies, dev)
     else:
         def deq(i):
@@ -138,7 +138,8 @@ def main() -> int:
                "torch": torch.__version__, "triton": triton.__version__,
                "rule": {"SKINNY_MAX_M": rule.SKINNY_MAX_M, "DEQUANT_MIN_M": rule.DEQUANT_MIN_M,
                         "SKINNY_M1_CONFIG": rule.SKINNY_M1_CONFIG, "SKINNY_DOT_CONFIG": rule.SKINNY_DOT_CONFIG,
-                        "PROGRAMS_PER_SM": rule.PROGRAMS_PER_SM, "MIN_K_TILES": rule.MIN_K_TILES},
+                        "PROGRAMS_PER_SM": rule.PROGRAMS_PER_SM,
+                        "PROGRAMS_PER_SM_M1": rule.PROGRAMS_PER_SM_M1, "MIN_K_TILES": rule.MIN_K_TILES},
                "rows": []}
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  rule {results['rule']}")
     for sname in args.shapes.split(","):

@@ -29,6 +29,7 @@ def main():
     args = ap.parse_args()
     for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(k, v)
+    import vllm
     import vllm_bench  # the bundle's script: the workload definitions only
     from vllm import LLM, SamplingParams
 

@@ -150,7 +150,7 @@ def test_skinny_split_k_equals_reference(method, opt, rows):
 @needs_interpreter
 @pytest.mark.parametrize("method,opt", [INT_CASES[2], INT_CASES[3], INT_CASES[5]], ids=[INT_IDS[2], INT_IDS[3],
                                                                                        INT_IDS[5]])
-@pytest.mark.parametrize("rows", [1, 4, 16, 40, 256])  # skinny M=1, skinny dot, fused tiles, dequant + matmul
+@pytest.mark.parametrize("rows", [1, 4, 16, 40, 256])  # skinny M=1, skinny dot, then dequant + matmul
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int_matmul_dispatch(method, opt, rows, dtype):
     """The engine's entry point at every path it picks by M, against the reference dequantize-then-matmul

@@ -6,9 +6,10 @@ syncs, so the choice is fixed inside a CUDA graph). The whole rule lives here.
   is compute bound there; dequantizing costs ~K*N*(bits/8 + 2) bytes of traffic, a few percent of a
   256-row GEMM's time. Scratch: K * N * 2 bytes per call for bf16 (gate_up of Llama-3.1-8B: 235 MB),
   returned to PyTorch's caching allocator right after the matmul, so consecutive layers reuse it.
-* in between: the fused dequantize-GEMM tiles (triton_int_gemm.py), which never materialize W.
-The thresholds and launch configurations were chosen by reasoning, not measured:
-benchmarks/sweep_int4_linear.py times every path on the GPU so they can be moved.
+* in between, if the thresholds leave a gap: the fused dequantize-GEMM tiles (triton_int_gemm.py), which never
+  materialize W (no gap with the measured thresholds below: the tiles lost to dequantize + cuBLAS at M = 64).
+The thresholds and launch configurations come from benchmarks/sweep_int4_linear.py on the H200 (W1's four
+shapes, AWQ group 128) and benchmarks/gpu_quant.py's A/B rows (BENCHMARKS.md has the tables).
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ from __future__ import annotations
 import torch
 
 SKINNY_MAX_M = 16
-DEQUANT_MIN_M = 256
+# From 17 rows up dequantize + cuBLAS: at M = 64 it beat the fused tiles 2.6-4x on three of the four shapes
+# (gate_up: 0.9x), and end to end on W1 it gave 8,029 out tok/s against 5,217 with the tiles up to 255 rows.
+DEQUANT_MIN_M = 17
 # Skinny launch (BLOCK_N, BLOCK_K, num_warps, num_stages). M == 1: 128 columns x 16 int4 words per
-# step, one FMA per weight in registers. M > 1: tl.dot needs 16 words (BLOCK_K = 16 * PACK).
+# step, one FMA per weight in registers. M > 1: tl.dot needs 16 words (BLOCK_K = 16 * PACK); 128 columns
+# and 8 warps were faster than 64 and 4 at M = 4 and 16 on every shape.
 SKINNY_M1_CONFIG = (128, 128, 4, 3)
-SKINNY_DOT_CONFIG = (64, 128, 4, 3)
-# Split-K: about PROGRAMS_PER_SM programs per SM in all, each still at least MIN_K_TILES tiles of K.
+SKINNY_DOT_CONFIG = (128, 128, 8, 3)
+# Split-K: about PROGRAMS_PER_SM programs per SM in all (M == 1: twice as many, 3-17% faster there),
+# each still at least MIN_K_TILES tiles of K.
 PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM_M1 = 8
 MIN_K_TILES = 4
 
 
@@ -38,10 +44,10 @@ def skinny_config(m: int, bits: int) -> tuple[int, int, int, int]:
     return block_n, max(block_k, 16 * pack) if m > 1 else block_k, warps, stages
 
 
-def skinny_split_k(n: int, k: int, device: torch.device, config: tuple[int, int, int, int]) -> int:
+def skinny_split_k(n: int, k: int, device: torch.device, config: tuple[int, int, int, int], m: int = 2) -> int:
     block_n, block_k = config[0], config[1]
     tiles = -(-n // block_n)
-    want = -(-PROGRAMS_PER_SM * _num_sms(device) // tiles)
+    want = -(-(PROGRAMS_PER_SM_M1 if m == 1 else PROGRAMS_PER_SM) * _num_sms(device) // tiles)
     return max(1, min(want, k // (MIN_K_TILES * block_k)))
 
 
@@ -53,7 +59,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
 
         config = skinny_config(m, bits)
-        split = skinny_split_k(qweight.shape[1], k, x.device, config)
+        split = skinny_split_k(qweight.shape[1], k, x.device, config, m)
         return skinny_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, split, config)
     if m >= DEQUANT_MIN_M:
         from kvserve.model.quantization.triton_int_dequant import dequantize_int
