@@ -52,8 +52,12 @@ class Executor:
         pass
 
     # ---- shared ----------------------------------------------------------------------------------
-    def initialize(self) -> int:
-        """Sizes and allocates the KV cache on every rank; returns the number of blocks."""
+    # Whether the workers run in the engine's own process (their CUDA-graph capture then shares its GIL).
+    in_engine_process = False
+
+    def initialize(self, before_graph_capture=None) -> int:
+        """Sizes and allocates the KV cache on every rank (which then capture their CUDA graphs); returns the
+        number of blocks. `before_graph_capture()` runs once the sizes are known, before the allocation."""
         config = self.config
         sizes = self.collective_rpc("determine_kv_cache_bytes")
         per_rank = [kv_bytes // per_block for kv_bytes, per_block in sizes]
@@ -65,6 +69,8 @@ class Executor:
             logger.info("KV blocks per rank: %s; using the minimum, %d (rank %d)", per_rank, num_blocks, limiting)
         memory.check_max_model_len_fits(config, num_blocks, per_block, kv_bytes)
         memory.log_kv_cache(config, num_blocks, kv_bytes)
+        if before_graph_capture is not None:
+            before_graph_capture()
         self.collective_rpc("initialize_kv_cache", num_blocks)
         self.log_layout()
         return num_blocks

@@ -8,6 +8,8 @@ from kvserve.worker.worker import Worker
 
 
 class UniExecutor(Executor):
+    in_engine_process = True
+
     def __init__(self, config):
         super().__init__(config)
         self.worker = Worker(config)
