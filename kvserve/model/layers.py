@@ -269,7 +269,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         from kvserve.distributed.parallel_state import tensor_parallel_all_gather
 
-        return tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        packed = getattr(self, "packed_weight", None)  # the CPU's oneDNN copy (kvserve.ops.cpu_gemm)
+        logits = F.linear(hidden, self.weight) if packed is None else packed.linear(hidden)
+        return tensor_parallel_all_gather(logits, dim=-1)
 
 
 VocabEmbedding = VocabParallelEmbedding
