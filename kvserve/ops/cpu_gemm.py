@@ -65,9 +65,9 @@ class PackedUnquantizedMethod:
 
 def pack_cpu_linears(model: nn.Module) -> int:
     """Route every fp32 CPU linear layer with an UnquantizedLinearMethod, and the LM head, through oneDNN
-    (weights packed now, after loading). The method is swapped, not the layer's forward, so a tensor-parallel layer's all-reduce
-    stays; quantized layers keep their own kernels. Returns how many layers were switched (0 when disabled
-    or unavailable)."""
+    (weights packed now, after loading). The method is swapped, not the layer's forward, so a tensor-parallel
+    layer's all-reduce stays; quantized layers keep their own kernels. Returns how many layers were switched
+    (0 when disabled or unavailable)."""
     from kvserve.model.layers import LinearBase, ParallelLMHead
     from kvserve.model.linear_method import UnquantizedLinearMethod
 
