@@ -2,9 +2,10 @@
 
 Runs the `bench throughput --dataset random` workload (random prompt ids, greedy, ignore_eos) with:
   hf        HF transformers generate, one static batch (as `--baseline hf`)
-  new       kvserve as shipped: batched torch attention + oneDNN packed fp32 linears
+  new       kvserve as shipped: batched torch attention + oneDNN packed fp32 linears and LM head
+  mkl-head  as new, but the LM head (logits GEMM) through plain F.linear
   ref-attn  the per-request reference attention (the pre-issue-13 algorithm), oneDNN linears
-  mkl       batched attention, plain F.linear (MKL sgemm)
+  mkl       batched attention, plain F.linear (MKL sgemm) everywhere
   old       reference attention and F.linear
 in rounds (variants interleaved), and prints wall and process CPU time, the best of each and its ratio to
 HF, and how many outputs equal HF's. CPU time is the steadier reading on a shared machine with
@@ -20,7 +21,6 @@ import argparse
 import gc
 import random
 import time
-import types
 
 import torch
 
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default="hf,new,ref-attn,mkl,old")
+    p.add_argument("--variants", default="hf,new,mkl-head,ref-attn,mkl,old")
     p.add_argument("--profile", action="store_true", help="torch.profiler op table of one `new` run, then exit")
     a = p.parse_args()
 
@@ -50,16 +50,19 @@ def main() -> None:
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": [1] * 16}], warm, use_tqdm=False)
     packed = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module) and hasattr(m, "packed_weight")]
+    # (module, attribute, its oneDNN value, its plain value): linears swap their method back to the
+    # unquantized one, the LM head drops its packed copy (compute_logits then calls F.linear).
+    switch = [(m, "quant_method", m.quant_method, m.quant_method.original)
+              if isinstance(getattr(m, "quant_method", None), cpu_gemm.PackedUnquantizedMethod)
+              else (m, "packed_weight", m.packed_weight, None) for m in packed]
     fast_attention = ta.TorchAttentionBackend.forward
 
-    def kvserve(reference_attention: bool, onednn: bool):
+    def kvserve(reference_attention: bool, onednn: bool, onednn_head: bool | None = None):
         ta.TorchAttentionBackend.forward = (
-            (lambda self, *args: ta.reference_attention(*args)) if reference_attention else fast_attention)
-        for m in packed:
-            if onednn:
-                m.forward = types.MethodType(cpu_gemm._packed_forward, m)
-            elif "forward" in m.__dict__:
-                del m.forward
+            (lambda self, *args, **kw: ta.reference_attention(*args, **kw)) if reference_attention else fast_attention)
+        for m, attr, on, off in switch:
+            use = onednn if attr == "quant_method" or onednn_head is None else onednn_head
+            setattr(m, attr, on if use else off)
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
@@ -78,7 +81,8 @@ def main() -> None:
     if hf_model is not None:
         with torch.no_grad():
             _generate(hf_model, [[1] * 16], 4, "cpu")
-    all_variants = {"hf": hf, "new": lambda: kvserve(False, True), "ref-attn": lambda: kvserve(True, True),
+    all_variants = {"hf": hf, "new": lambda: kvserve(False, True), "mkl-head": lambda: kvserve(False, True, False),
+                    "ref-attn": lambda: kvserve(True, True),
                     "mkl": lambda: kvserve(False, False), "old": lambda: kvserve(True, False)}
     variants = {k: all_variants[k] for k in a.variants.split(",")}
     print(f"Machine: {describe('cpu')}; {len(packed)} packed linears", flush=True)

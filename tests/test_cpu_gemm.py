@@ -94,3 +94,22 @@ def test_non_fp32_layers_are_left_alone(monkeypatch):
     monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
     model = _model().to(torch.bfloat16)
     assert cpu_gemm.pack_cpu_linears(model) == 0
+
+
+def test_lm_head_is_packed_and_a_tied_embedding_keeps_its_weight(monkeypatch):
+    """The logits GEMM goes through the packed copy; the tied embedding still looks rows up in the weight."""
+    from kvserve.model.layers import ParallelLMHead, VocabParallelEmbedding
+
+    monkeypatch.delenv("KVSERVE_CPU_ONEDNN", raising=False)
+    torch.manual_seed(0)
+    embed, head = VocabParallelEmbedding(50, 16), ParallelLMHead(50, 16)
+    embed.weight.data.normal_()
+    head.weight = embed.weight  # tied, as LlamaForCausalLM does
+    hidden, ids = torch.randn(7, 16), torch.tensor([3, 0, 49])
+    want_logits, want_rows = head.compute_logits(hidden), embed(ids)
+    assert cpu_gemm.pack_cpu_linears(torch.nn.ModuleDict({"embed": embed, "head": head})) == 1
+    assert head.packed_weight is not None and not hasattr(embed, "packed_weight")
+    assert head.weight is embed.weight
+    torch.testing.assert_close(head.compute_logits(hidden), want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(embed(ids), want_rows, atol=0, rtol=0)
+    assert head.compute_logits(hidden[:0]).shape == (0, 50)

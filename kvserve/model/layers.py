@@ -269,7 +269,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         from kvserve.distributed.parallel_state import tensor_parallel_all_gather
 
-        return tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        packed = getattr(self, "packed_weight", None)  # the CPU's oneDNN copy (kvserve.ops.cpu_gemm)
+        logits = F.linear(hidden, self.weight) if packed is None else packed.linear(hidden)
+        return tensor_parallel_all_gather(logits, dim=-1)
 
 
 VocabEmbedding = VocabParallelEmbedding
@@ -352,8 +354,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same op order and dtypes as HF (cos/sin cast to x's dtype), so bf16 results round alike.
+    """HF's x * cos + rotate_half(x) * sin (cos/sin cast to x's dtype), each product and sum rounded as HF
+    rounds it, so results are bit-identical in every dtype, without materialising rotate_half(x): the first
+    half's (-x2) * sin + x1 * cos is x1 * cos - x2 * sin exactly (negation is exact)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out

@@ -102,7 +102,7 @@ class MLP(nn.Module):
 
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
 
 
 class DecoderLayer(nn.Module):

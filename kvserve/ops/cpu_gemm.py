@@ -64,11 +64,11 @@ class PackedUnquantizedMethod:
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Route every fp32 CPU linear layer with an UnquantizedLinearMethod through oneDNN (weights packed now,
-    after loading). The method is swapped, not the layer's forward, so a tensor-parallel layer's all-reduce
-    stays; quantized layers keep their own kernels. Returns how many layers were switched (0 when disabled
-    or unavailable)."""
-    from kvserve.model.layers import LinearBase
+    """Route every fp32 CPU linear layer with an UnquantizedLinearMethod, and the LM head, through oneDNN
+    (weights packed now, after loading). The method is swapped, not the layer's forward, so a tensor-parallel
+    layer's all-reduce stays; quantized layers keep their own kernels. Returns how many layers were switched
+    (0 when disabled or unavailable)."""
+    from kvserve.model.layers import LinearBase, ParallelLMHead
     from kvserve.model.linear_method import UnquantizedLinearMethod
 
     if not enabled():
@@ -79,5 +79,10 @@ def pack_cpu_linears(model: nn.Module) -> int:
                 and isinstance(module.quant_method, UnquantizedLinearMethod)):
             module.packed_weight = PackedLinearWeight(module.weight)
             module.quant_method = PackedUnquantizedMethod(module.quant_method)
+            count += 1
+        elif isinstance(module, ParallelLMHead) and _fp32_cpu_weight(module):
+            # The logits GEMM (hidden x vocab, every decode step): the largest single weight. A tied head
+            # keeps its weight for the embedding lookup; the packed copy is used by compute_logits only.
+            module.packed_weight = PackedLinearWeight(module.weight)
             count += 1
     return count

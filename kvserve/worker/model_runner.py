@@ -87,8 +87,10 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             from kvserve.ops.cpu_gemm import pack_cpu_linears
+            from kvserve.worker.cpu_malloc import tune_malloc_for_cpu_inference
 
             pack_cpu_linears(self.model)
+            tune_malloc_for_cpu_inference()  # before the KV cache and the first step allocate
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
