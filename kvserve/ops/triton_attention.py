@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.ops.fp8_quant import e4m3_bits
+from kvserve.ops.split_k import num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -343,10 +344,8 @@ class TritonAttentionBackend:
     @property
     def num_sms(self) -> int:
         if self._num_sms is None:
-            if torch.cuda.is_available():
-                self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            else:
-                self._num_sms = 132
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            self._num_sms = num_sms(device)
         return self._num_sms
 
     def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:

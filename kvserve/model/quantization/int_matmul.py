@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.ops.split_k import num_sms
+
 SKINNY_MAX_M = 16
 # From 17 rows up dequantize + cuBLAS: at M = 64 it beat the fused tiles 2.6-4x on three of the four shapes
 # (gate_up: 0.9x), and end to end on W1 it gave 8,029 out tok/s against 5,217 with the tiles up to 255 rows.
@@ -32,12 +34,6 @@ PROGRAMS_PER_SM_M1 = 8
 MIN_K_TILES = 4
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def skinny_config(m: int, bits: int) -> tuple[int, int, int, int]:
     block_n, block_k, warps, stages = SKINNY_M1_CONFIG if m == 1 else SKINNY_DOT_CONFIG
     pack = 32 // bits
@@ -47,7 +43,7 @@ def skinny_config(m: int, bits: int) -> tuple[int, int, int, int]:
 def skinny_split_k(n: int, k: int, device: torch.device, config: tuple[int, int, int, int], m: int = 2) -> int:
     block_n, block_k = config[0], config[1]
     tiles = -(-n // block_n)
-    want = -(-(PROGRAMS_PER_SM_M1 if m == 1 else PROGRAMS_PER_SM) * _num_sms(device) // tiles)
+    want = -(-(PROGRAMS_PER_SM_M1 if m == 1 else PROGRAMS_PER_SM) * num_sms(device) // tiles)
     return max(1, min(want, k // (MIN_K_TILES * block_k)))
 
 

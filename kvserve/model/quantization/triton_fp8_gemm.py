@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops import split_k as splits
+
 
 @triton.jit
 def _w8a16_kernel(
@@ -60,12 +62,6 @@ MAX_ROWS = 16
 CONFIG = (32, 256, 4, 4)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (16/32-bit float), weight e4m3 [N, K], scale float32 [N] -> [M, N] in x's dtype.
@@ -78,23 +74,16 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split
     block_m = max(16, triton.next_power_of_2(min(m, 64)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     if split_k is None:
-        sms = _num_sms(x.device)
+        sms = splits.num_sms(x.device)
         split_k = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k)))
-    # Splits start at multiples of BLOCK_K.
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    if split_k == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        stride_os = 0
-    else:
-        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
+    split_k, k_per_split = splits.split_in_tiles(k, split_k, block_k)
+    out, stride_os = splits.partials(m, n, split_k, x.dtype, x.device)
     if m == 0:
-        return out if split_k == 1 else out.sum(0).to(x.dtype)
+        return splits.finish(out, split_k, x.dtype)
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
     _w8a16_kernel[grid](
         x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), n, stride_os, k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
     )
-    return out if split_k == 1 else out.sum(0).to(x.dtype)
+    return splits.finish(out, split_k, x.dtype)

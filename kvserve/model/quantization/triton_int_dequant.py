@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+
 # (BLOCK_K, BLOCK_N, num_warps): 16 int4 words x 128 columns per program, 8 KiB read, 32 KiB written.
 DEQUANT_CONFIG = (128, 128, 4)
 
@@ -35,9 +37,7 @@ def _dequant_kernel(
     tile_ok = w_ok[:, None] & n_ok[None, :]
     packed = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * N + offs_n[None, :], mask=tile_ok, other=0)
     if ONE_GROUP:  # the tile's rows share one group (BLOCK_K divides GROUP_SIZE)
-        sz = (pid_k * BLOCK_K // GROUP_SIZE) * N + offs_n
-        s_tile = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        z_tile = tl.load(z_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        s_tile, z_tile = tile_group_scales_zeros(s_ptr, z_ptr, pid_k * BLOCK_K, offs_n, n_ok, N, GROUP_SIZE)
     for p in tl.static_range(PACK):  # field p of every word: rows word * PACK + p
         rows = offs_w * PACK + p
         q = (packed >> (p * BITS)) & MASK
@@ -45,13 +45,7 @@ def _dequant_kernel(
             s = s_tile
             z = z_tile
         else:
-            if HAS_G_IDX:
-                grp = tl.load(g_ptr + rows, mask=w_ok, other=0)
-            else:
-                grp = rows // GROUP_SIZE
-            sz2 = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-            s = tl.load(s_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32)
+            s, z = group_scales_zeros(s_ptr, z_ptr, g_ptr, rows, w_ok, offs_n, tile_ok, N, GROUP_SIZE, HAS_G_IDX)
         w = (q.to(tl.float32) - z) * s
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=tile_ok)

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+from kvserve.ops import split_k as splits
+
 
 @triton.jit
 def _int_gemm_kernel(
@@ -48,18 +51,10 @@ def _int_gemm_kernel(
         shifts = tl.arange(0, PACK) * BITS
         q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & MASK, [BLOCK_K, BLOCK_N])
         if ONE_GROUP_PER_TILE:  # the tile's rows share one group: one row of scales and zeros
-            sz = (k0 // GROUP_SIZE) * N + offs_n  # G * N < 2**31 for any real layer
-            s = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            s, z = tile_group_scales_zeros(s_ptr, z_ptr, k0, offs_n, n_ok, N, GROUP_SIZE)
         else:
-            if HAS_G_IDX:
-                grp = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
-            else:
-                grp = offs_k // GROUP_SIZE
-            sz_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-            wmask = k_ok[:, None] & n_ok[None, :]
-            s = tl.load(s_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz_off, mask=wmask, other=0.0).to(tl.float32)
+            s, z = group_scales_zeros(s_ptr, z_ptr, g_ptr, offs_k, k_ok, offs_n, k_ok[:, None] & n_ok[None, :], N,
+                                      GROUP_SIZE, HAS_G_IDX)
         w = ((q.to(tl.float32) - z) * s).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PREC)
     out_off = pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -70,12 +65,6 @@ def _int_gemm_kernel(
 PREFILL_CONFIG = (64, 128, 32, 4, 3)
 DECODE_CONFIG = (16, 64, 128, 4, 3)
 DECODE_MAX_ROWS = 16
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -89,16 +78,10 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if split_k is None:
         # Enough programs for about two per SM; each split keeps at least 4 K tiles.
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-        split_k = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), k // (4 * block_k))) if decode else 1
+        split_k = max(1, min(triton.cdiv(2 * splits.num_sms(x.device), tiles), k // (4 * block_k))) if decode else 1
     # Splits and tiles start at multiples of BLOCK_K (itself a multiple of the pack factor).
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    if split_k == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        stride_os = 0
-    else:
-        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
+    split_k, k_per_split = splits.split_in_tiles(k, split_k, block_k)
+    out, stride_os = splits.partials(m, n, split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     dummy = qweight  # g_idx pointer when there is none (never read)
     _int_gemm_kernel[grid](
@@ -110,4 +93,4 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
-    return out if split_k == 1 else out.sum(0).to(x.dtype)
+    return splits.finish(out, split_k, x.dtype)

@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+from kvserve.ops.split_k import split_in_tiles
+
 
 @triton.jit
 def _skinny_kernel(
@@ -55,22 +58,16 @@ def _skinny_kernel(
         tile_ok = w_ok[:, None] & n_ok[None, :]
         packed = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * N + offs_n[None, :], mask=tile_ok, other=0)
         if ONE_GROUP:  # BLOCK_K divides GROUP_SIZE and tiles start at multiples of BLOCK_K
-            sz = (k0 // GROUP_SIZE) * N + offs_n
-            s_tile = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            zm_tile = tl.load(z_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :] + 8388608.0
+            s_tile, z_tile = tile_group_scales_zeros(s_ptr, z_ptr, k0, offs_n, n_ok, N, GROUP_SIZE)
+            zm_tile = z_tile + 8388608.0
         for p in tl.static_range(PACK):
             rows = offs_w * PACK + p
             if ONE_GROUP:
                 s = s_tile
                 zm = zm_tile
             else:
-                if HAS_G_IDX:
-                    grp = tl.load(g_ptr + rows, mask=w_ok, other=0)
-                else:
-                    grp = rows // GROUP_SIZE
-                sz2 = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-                s = tl.load(s_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32)
-                zm = tl.load(z_ptr + sz2, mask=tile_ok, other=0.0).to(tl.float32) + 8388608.0
+                s, z = group_scales_zeros(s_ptr, z_ptr, g_ptr, rows, w_ok, offs_n, tile_ok, N, GROUP_SIZE, HAS_G_IDX)
+                zm = z + 8388608.0
             qf = (((packed >> (p * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
             w = (qf - zm) * s  # rows past k_end: x is 0 there
             if BLOCK_M == 1:
@@ -135,8 +132,7 @@ def skinny_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = qweight.shape[1]
     block_n, block_k, warps, stages = config
-    k_per_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
+    split_k, k_per_split = split_in_tiles(k, split_k, block_k)
     tiles = triton.cdiv(n, block_n)
     ws = _workspace(x.device, m * n, tiles) if split_k > 1 else None
     if split_k > 1 and ws is None:
