@@ -104,16 +104,17 @@ class StepPlan:
         q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
         self.num_tokens = qsl[-1]
 
-        # Decodes: one query each, keys padded to the longest context, all in one SDPA call.
+        # Decodes: one query each, keys padded to the longest context, all in one SDPA call. Their K/V are
+        # gathered by whole blocks (a few 12 KB copies per request instead of one small copy per position).
         decodes = [i for i in range(num_reqs) if q_lens[i] == 1]
         self.all_decode = len(decodes) == num_reqs and num_reqs > 0
         self.decode_tokens = None
-        self.decode_slots = self.decode_mask = None
+        self.decode_blocks = self.decode_mask = None
         if decodes:
             max_s = max(seq_lens[i] for i in decodes)
             rows = torch.tensor(decodes, device=device)
             self.decode_tokens = torch.tensor([qsl[i] for i in decodes], device=device)
-            self.decode_slots = _slot_indices(meta.block_tables[rows], max_s, bs).reshape(-1)
+            self.decode_blocks = meta.block_tables[rows, :-(-max_s // bs)].long().reshape(-1)
             lens = [seq_lens[i] for i in decodes]
             if min(lens) != max_s:
                 lens_t = torch.tensor(lens, device=device)
@@ -163,15 +164,14 @@ class TorchAttentionBackend:
         # another request of the same step is filling (prefix hits published this step).
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         plan = self.plan(meta, q.device)
+        if plan.all_decode and q.shape[0] == plan.num_tokens:
+            return self._decode(q, kv_cache, plan, scale)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         key_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
         value_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
-        if plan.all_decode and q.shape[0] == plan.num_tokens:
-            return self._decode(q, key_cache, value_cache, plan, scale).squeeze(1)
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
-            decoded = self._decode(q[plan.decode_tokens], key_cache, value_cache, plan, scale)
-            out[plan.decode_tokens] = decoded.squeeze(1)
+            out[plan.decode_tokens] = self._decode(q[plan.decode_tokens], kv_cache, plan, scale)
         heads, head_dim = q.shape[1:]
         kv_heads = k.shape[1]
         for start, n, length in plan.fresh_runs:
@@ -187,8 +187,18 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q, key_cache, value_cache, plan: StepPlan, scale: float) -> torch.Tensor:
+    def _decode(q, kv_cache, plan: StepPlan, scale: float) -> torch.Tensor:
+        """q [B, H, D] (one query per request) -> [B, H, D]."""
         b, s = plan.decode_shape
-        keys = key_cache.index_select(0, plan.decode_slots).view(b, s, *key_cache.shape[1:])
-        values = value_cache.index_select(0, plan.decode_slots).view(b, s, *value_cache.shape[1:])
-        return _sdpa(q.unsqueeze(1), keys, values, plan.decode_mask, scale)
+        kv_heads, head_dim = kv_cache.shape[3:]
+        # [B * blocks, block_size, Hkv, D] -> [B, S, Hkv, D]: a strided view that skips the tail of the last block.
+        keys = kv_cache[0].index_select(0, plan.decode_blocks).view(b, -1, kv_heads, head_dim)[:, :s]
+        values = kv_cache[1].index_select(0, plan.decode_blocks).view(b, -1, kv_heads, head_dim)[:, :s]
+        # The query heads that share a KV head become that head's query rows ([B, Hkv, H/Hkv, D]): SDPA's
+        # rows need no causal mask here and the padding mask [B, 1, 1, S] broadcasts over them, which is
+        # cheaper than SDPA's own GQA.
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=plan.decode_mask, scale=scale,
+        )
+        return out.reshape(b, -1, head_dim)
