@@ -11,12 +11,12 @@ tensors. Where CUDA is available, the same kernel tests also run compiled on the
 from __future__ import annotations
 
 import os
-import random
 import re
 
 import pytest
 import torch
 
+from tests import paged_batch
 from tests.triton_interpreter import run_file_in_interpreter
 
 pytest.importorskip("triton")
@@ -44,59 +44,8 @@ if DEVICE is not None:
     import kvserve.ops.triton_attention as ta
 
 
-def make_batch(ctx_lens, q_lens, *, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, pad_tokens=0,
-               pad_slots=False, qkv_views=False, seed=0):
-    """Random q/k/v for one step and a random paged cache (garbage everywhere, so any read of a slot that
-    is not part of a context shows up), with shuffled, non-contiguous block tables padded with 0."""
-    g = torch.Generator().manual_seed(seed)
-    rnd = random.Random(seed)
-    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = 2 * sum(blocks_per_req) + 3
-    ids = list(range(1, num_blocks))  # block 0 = the tables' padding value, never handed out
-    rnd.shuffle(ids)
-    max_blocks = max(blocks_per_req) + 2
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    for i, nb in enumerate(blocks_per_req):
-        tables[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)], dtype=torch.int32)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    slots = []
-    for i, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
-        for p in range(c, s):
-            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
-    num_actual = len(slots)
-    if pad_slots:
-        slots += [-1] * pad_tokens
-    t = num_actual + pad_tokens
-    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=qsl,
-        seq_lens=seq_t,
-        block_tables=tables,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        num_actual_tokens=num_actual,
-        block_size=block_size,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens_cpu=seq_t.clone(),
-    )
-    h, hkv, d = num_heads, num_kv_heads, head_dim
-    if qkv_views:  # as the model passes them: views of one fused qkv projection
-        qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(DEVICE)  # the views stay views on the GPU
-        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
-    else:
-        q = torch.randn(t, h, d, generator=g)
-        k = torch.randn(t, hkv, d, generator=g)
-        v = torch.randn(t, hkv, d, generator=g)
-    kv_cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g)
-    if DEVICE != "cpu":
-        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-            setattr(meta, name, getattr(meta, name).to(DEVICE))
-        q, k, v, kv_cache = (x.to(DEVICE) for x in (q, k, v, kv_cache))
-    return q, k, v, kv_cache, meta
+def make_batch(ctx_lens, q_lens, **kw):
+    return paged_batch.make_batch(ctx_lens, q_lens, device=DEVICE, **kw)
 
 
 def run_both(q, k, v, kv_cache, meta, backend=None):
