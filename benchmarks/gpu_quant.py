@@ -139,15 +139,13 @@ def main():
     configs = {
         "bf16": {},
         "fp8": {"quantization": "fp8"},
-        # A/B rows for the rules that pick a kernel by rows (read at call time; each engine captures its own
-        # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode), and
-        # AWQ with every M above the decode kernel through dequantize + cuBLAS.
+        # An A/B row for the rule that picks a kernel by rows (read at call time; each engine captures its own
+        # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode).
         "fp8-scaled-mm-only": {"quantization": "fp8",
                                KNOBS: {"kvserve.model.quantization.triton_fp8_gemm.MAX_ROWS": 0}},
         "kv-fp8": {"kv_cache_dtype": "fp8"},
         "fp8+kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "awq-int4": "awq",
-        "awq-int4-dequant17": {KNOBS: {"kvserve.model.quantization.int_matmul.DEQUANT_MIN_M": 17}, "awq": True},
     }
     wanted = ["bf16"] + [c for c in configs if c != "bf16" and (not args.only or c in args.only.split(","))]
     ref = None

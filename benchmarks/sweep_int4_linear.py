@@ -1,16 +1,15 @@
-"""AWQ-int4 linear layers on the GPU: bf16 F.linear vs the old Triton dequantize-GEMM vs the new dispatch
-(int_matmul.py: split-K skinny kernel for M <= 16, fused tiles in between, dequantize + cuBLAS for
-large M), on Llama-3.1-8B's linear shapes, group 128, bf16 activations.
+"""AWQ-int4 linear layers on the GPU: bf16 F.linear vs the dispatch of int_matmul.py (split-K skinny kernel
+for M <= 16, dequantize + cuBLAS above), on Llama-3.1-8B's linear shapes, group 128, bf16 activations.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/sweep_int4_linear.py [--out $OUT]
 
-Per (shape, M): correctness of old and new against the reference (torch dequantize, then a bf16
+Per (shape, M): correctness against the reference (torch dequantize, then a bf16
 matmul), then GPU time of each from CUDA-graph replays (triton.testing.do_bench_cudagraph). One replay
 runs the layer over several copies of its weights, as consecutive layers do, so the weights come
 from HBM and not from the 50 MB L2. Effective TB/s = packed weight + scales + zeros bytes (bf16:
 weight bytes) / time, the figure that matters at small M. For M <= 16 a few skinny launch configs and
-split counts are tried too, and for 16 < M the forced fused-tile and dequantize paths, so the
-thresholds and configs of int_matmul.py can be moved; the engine uses only the fixed rule.
+split counts are tried too, so the threshold and configs of int_matmul.py can be moved; the engine uses
+only the fixed rule.
 Errors are caught per row. JSON to OUT/sweep_int4_linear.json; a markdown table last.
 """
 
@@ -28,8 +27,6 @@ import triton
 
 from kvserve.model.quantization import int_matmul as rule
 from kvserve.model.quantization.int_weights import unpack_rows
-from kvserve.model.quantization.triton_int_dequant import dequantize_int
-from kvserve.model.quantization.triton_int_gemm import int_gemm
 from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -101,23 +98,15 @@ def measure(m: int, k: int, n: int, layers, w_nk, w_ref, copies: int, bf16_copie
     def new(i):
         return rule.int_matmul(x, *int_args(layers[i]))
 
-    def old(i):
-        return int_gemm(x, *int_args(layers[i]))
-
-    row["err_new"], row["err_old"] = rel_err(new(0), ref), rel_err(old(0), ref)
+    row["err_new"] = rel_err(new(0), ref)
     row["bf16_us"] = bench_us(lambda i: F.linear(x, w_nk[i]), bf16_copies)
-    row["old_us"] = bench_us(old, copies)
     row["new_us"] = bench_us(new, copies)
     row["bf16_TBps"] = k * n * 2 / row["bf16_us"] / 1e6
     row["new_TBps"] = int_bytes / row["new_us"] / 1e6
-    if m <= rule.SKINNY_MAX_M:
-        row["rule_split"] = rule.skinny_split_k(n, k, dev, rule.skinny_config(m, BITS), m)
-        variants = skinny_variants(x, ref, layers, copies, dev)
-    else:
-        def deq(i):
-            return x @ dequantize_int(*int_args(layers[i]), torch.bfloat16)
-        variants = {"dequant+cuBLAS": {"err": rel_err(deq(0), ref), "us": bench_us(deq, copies)},
-                    "fused tiles (old)": {"us": row["old_us"], "err": row["err_old"]}}
+    if m > rule.SKINNY_MAX_M:
+        return row  # dequantize + cuBLAS: nothing to choose
+    row["rule_split"] = rule.skinny_split_k(n, k, dev, rule.skinny_config(m, BITS), m)
+    variants = skinny_variants(x, ref, layers, copies, dev)
     ok = {name: v for name, v in variants.items() if "us" in v and v["err"] < 2e-2}
     if ok:
         best = min(ok, key=lambda name: ok[name]["us"])
@@ -136,7 +125,7 @@ def main() -> int:
     t_start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev),
                "torch": torch.__version__, "triton": triton.__version__,
-               "rule": {"SKINNY_MAX_M": rule.SKINNY_MAX_M, "DEQUANT_MIN_M": rule.DEQUANT_MIN_M,
+               "rule": {"SKINNY_MAX_M": rule.SKINNY_MAX_M,
                         "SKINNY_M1_CONFIG": rule.SKINNY_M1_CONFIG, "SKINNY_DOT_CONFIG": rule.SKINNY_DOT_CONFIG,
                         "PROGRAMS_PER_SM": rule.PROGRAMS_PER_SM,
                         "PROGRAMS_PER_SM_M1": rule.PROGRAMS_PER_SM_M1, "MIN_K_TILES": rule.MIN_K_TILES},
@@ -175,17 +164,15 @@ def main() -> int:
 
     print(f"\n{results['device']}, AWQ int4 group {GROUP}, bf16 activations; time per layer (CUDA graphs, "
           f"weights from HBM); wall {results['wall_s']} s")
-    print("| layer | M | bf16 us | old us | new us | new vs bf16 | new vs old | bf16 TB/s | new TB/s | "
-          "err old / new | best variant (us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layer | M | bf16 us | int4 us | int4 vs bf16 | bf16 TB/s | int4 TB/s | err | best decode variant (us) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         if "error" in r:
-            print(f"| {r['shape']} | {r.get('M', '')} | FAILED: {r['error'][:150]} | | | | | | | | |")
+            print(f"| {r['shape']} | {r.get('M', '')} | FAILED: {r['error'][:150]} | | | | | | |")
             continue
-        print(f"| {r['shape']} {r['K']}->{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['old_us']:.1f} | "
-              f"{r['new_us']:.1f} | {r['bf16_us'] / r['new_us']:.2f}x | {r['old_us'] / r['new_us']:.2f}x | "
-              f"{r['bf16_TBps']:.2f} | {r['new_TBps']:.2f} | {r['err_old']:.1e} / {r['err_new']:.1e} | "
-              f"{r.get('best_variant', '-')} ({r.get('best_us', 0):.1f}) |")
+        print(f"| {r['shape']} {r['K']}->{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['new_us']:.1f} | "
+              f"{r['bf16_us'] / r['new_us']:.2f}x | {r['bf16_TBps']:.2f} | {r['new_TBps']:.2f} | "
+              f"{r['err_new']:.1e} | {r.get('best_variant', '-')} ({r.get('best_us', 0):.1f}) |")
     return 0
 
 

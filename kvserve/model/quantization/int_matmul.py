@@ -2,12 +2,11 @@
 syncs, so the choice is fixed inside a CUDA graph). The whole rule lives here.
 
 * M <= SKINNY_MAX_M (decode): the split-K skinny kernel (triton_int_gemv.py), weight-read bound.
-* M >= DEQUANT_MIN_M (prefill): dequantize W into a [K, N] scratch of x's dtype, then cuBLAS. The GEMM
-  is compute bound there; dequantizing costs ~K*N*(bits/8 + 2) bytes of traffic, a few percent of a
-  256-row GEMM's time. Scratch: K * N * 2 bytes per call for bf16 (gate_up of Llama-3.1-8B: 235 MB),
-  returned to PyTorch's caching allocator right after the matmul, so consecutive layers reuse it.
-* in between, if the thresholds leave a gap: the fused dequantize-GEMM tiles (triton_int_gemm.py), which never
-  materialize W (no gap with the measured thresholds below: the tiles lost to dequantize + cuBLAS at M = 64).
+* above it: dequantize W into a [K, N] scratch of x's dtype, then cuBLAS. Dequantizing costs
+  ~K*N*(bits/8 + 2) bytes of traffic, a few percent of a 256-row GEMM's time. Scratch: K * N * 2 bytes per
+  call for bf16 (gate_up of Llama-3.1-8B: 235 MB), returned to PyTorch's caching allocator right after the
+  matmul, so consecutive layers reuse it. (A fused dequantize-GEMM that never materialized W lost to it
+  2.6-4x at M = 64 on three of W1's four shapes and 5,217 vs 8,029 tok/s on W1, and was removed.)
 The thresholds and launch configurations come from benchmarks/sweep_int4_linear.py on the H200 (W1's four
 shapes, AWQ group 128) and benchmarks/gpu_quant.py's A/B rows (BENCHMARKS.md has the tables).
 """
@@ -19,9 +18,6 @@ import torch
 from kvserve.ops.split_k import num_sms
 
 SKINNY_MAX_M = 16
-# From 17 rows up dequantize + cuBLAS: at M = 64 it beat the fused tiles 2.6-4x on three of the four shapes
-# (gate_up: 0.9x), and end to end on W1 it gave 8,029 out tok/s against 5,217 with the tiles up to 255 rows.
-DEQUANT_MIN_M = 17
 # Skinny launch (BLOCK_N, BLOCK_K, num_warps, num_stages). M == 1: 128 columns x 16 int4 words per
 # step, one FMA per weight in registers. M > 1: tl.dot needs 16 words (BLOCK_K = 16 * PACK); 128 columns
 # and 8 warps were faster than 64 and 4 at M = 4 and 16 on every shape.
@@ -57,11 +53,6 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         config = skinny_config(m, bits)
         split = skinny_split_k(qweight.shape[1], k, x.device, config, m)
         return skinny_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, split, config)
-    if m >= DEQUANT_MIN_M:
-        from kvserve.model.quantization.triton_int_dequant import dequantize_int
+    from kvserve.model.quantization.triton_int_dequant import dequantize_int
 
-        w = dequantize_int(qweight, scales, zeros, g_idx, bits, group_size, x.dtype)
-        return torch.matmul(x, w)
-    from kvserve.model.quantization.triton_int_gemm import int_gemm
-
-    return int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size)
+    return torch.matmul(x, dequantize_int(qweight, scales, zeros, g_idx, bits, group_size, x.dtype))

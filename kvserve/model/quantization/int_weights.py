@@ -7,7 +7,7 @@
 
 W[k, n] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n] and y = x @ W. On CUDA (and on the CPU under
 TRITON_INTERPRET=1) int_matmul.py picks a Triton kernel by the number of rows (split-K skinny GEMM for
-decode, dequantize + cuBLAS for prefill, the fused dequantize-GEMM between); elsewhere the reference
+decode, dequantize + cuBLAS above); elsewhere the reference
 path below dequantizes, then multiplies.
 """
 

@@ -1,4 +1,4 @@
-"""The scales and zero points of packed int weights inside Triton kernels (the three int kernels share it):
+"""The scales and zero points of packed int weights inside Triton kernels (the int kernels share it):
 per weight row from its group (`row // group_size`, or GPTQ act-order's `g_idx[row]`), or one row of them
 when a whole tile lies in one group."""
 
