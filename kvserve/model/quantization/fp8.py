@@ -164,12 +164,11 @@ class Fp8LinearMethod(LinearMethodBase):
             # Decode: bound by reading the weight; stream the e4m3 weight against unquantized activations
             # (chosen by shape only, so a captured CUDA graph always replays the same kernel).
             out = triton_fp8_gemm.w8a16_gemm(x2, layer.weight, layer.weight_scale)
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
-            return out if bias is None else out + bias
-        # One Triton kernel: quantized rows and their scales (per token, or the static input scale).
-        xq, x_scale = fp8_quant.quantize_per_token(x2, layer.input_scale if self.static_input else None)
-        # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
-        out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
-                               out_dtype=torch.bfloat16)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        else:
+            # One Triton kernel: quantized rows and their scales (per token, or the static input scale).
+            xq, x_scale = fp8_quant.quantize_per_token(x2, layer.input_scale if self.static_input else None)
+            # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale,
+                                   scale_b=layer.weight_scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
