@@ -267,10 +267,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     pass
 
-
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}

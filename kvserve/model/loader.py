@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.llama import MODEL_REGISTRY
+from kvserve.model.registry import model_class
 from kvserve.model.model_config import ModelConfig
 from kvserve.ops.attention_backend import AttentionBackend
 
@@ -109,7 +109,7 @@ def load_model(
     layer_range: tuple[int, int] | None = None,
     quant_config=None,
 ) -> torch.nn.Module:
-    model_cls = MODEL_REGISTRY[cfg.architecture]
+    model_cls = model_class(cfg.architecture)
     torch_dtype = DTYPES[dtype]
     # Float parameters are created in the serving dtype (a linear method may choose others: those stay);
     # rotary caches are built in fp32 explicitly (HF computes cos/sin in fp32 too).

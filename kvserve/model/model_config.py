@@ -6,18 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from kvserve.model.registry import ARCHITECTURES, architecture_of, supported_names
+
 
 
 @dataclass
@@ -44,8 +34,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False) -> "ModelConfig":
-        arch = (cfg.get("architectures") or [None])[0] or _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        arch = architecture_of(cfg)
+        if arch not in ARCHITECTURES:
             remote = ""
             if cfg.get("auto_map"):
                 # The repo ships its own modelling code (what --trust-remote-code would run in vLLM).
@@ -54,7 +44,7 @@ class ModelConfig:
                           + (", so --trust-remote-code cannot help." if trust_remote_code else "."))
             raise ValueError(
                 f"Model architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not supported.{remote} "
-                f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+                f"Supported: {', '.join(supported_names())}."
             )
         heads = cfg["num_attention_heads"]
         # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.

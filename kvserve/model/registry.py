@@ -1,0 +1,43 @@
+"""The one list of model architectures kvserve runs: HF architecture name -> model_type and model class.
+
+Torch-free (class paths are strings, imported on demand), so config parsing, `kvserve plan` and error messages
+read the same list the loader builds models from.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # HF config.json "architectures"[0]
+    model_type: str  # HF config.json "model_type"
+    model_class: str  # "module:ClassName" of our implementation
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM", "llama", "kvserve.model.llama:LlamaForCausalLM"),
+        Architecture("MistralForCausalLM", "mistral", "kvserve.model.llama:MistralForCausalLM"),
+        Architecture("Qwen2ForCausalLM", "qwen2", "kvserve.model.llama:Qwen2ForCausalLM"),
+        Architecture("Qwen3ForCausalLM", "qwen3", "kvserve.model.llama:Qwen3ForCausalLM"),
+    )
+}
+_BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
+
+
+def architecture_of(hf_config: dict) -> str | None:
+    """The architecture named by a config.json (its `architectures`, else its `model_type`), supported or not."""
+    return (hf_config.get("architectures") or [None])[0] or _BY_MODEL_TYPE.get(hf_config.get("model_type", ""))
+
+
+def supported_names() -> list[str]:
+    return list(ARCHITECTURES)
+
+
+def model_class(name: str) -> type:
+    module, cls = ARCHITECTURES[name].model_class.split(":")
+    return getattr(importlib.import_module(module), cls)
