@@ -304,7 +304,7 @@ class Harness:
         out, sampled = self.unapplied[0]
         snap = {id(r): (r.num_computed_tokens, r.num_pending_outputs, list(r.output_token_ids), r.status)
                 for r in self.all.values()}
-        touched = self.sched.update(out, sampled)
+        touched = self.sched.update(out, {rid: [tok] for rid, tok in sampled.items()})
         self.unapplied.pop(0)
         # Results of requests that finished (or were aborted) since scheduling are dropped.
         expected = [s.request for s in out.scheduled if s.needs_sample and not snap[id(s.request)][3].is_finished]
@@ -882,7 +882,7 @@ def test_request_id_reusable_after_finish():
     old = Request("x", [0, 1, 2], Params(4))
     sched.add_request(old)
     out = sched.schedule()
-    sched.update(out, {"x": 1})
+    sched.update(out, {"x": [1]})
     sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
     new = Request("x", [0, 1, 2, 3, 0], Params(1))
     sched.add_request(new)  # the id is free again once the old request finished
@@ -892,7 +892,7 @@ def test_request_id_reusable_after_finish():
     (s,) = out.scheduled
     assert s.is_new and s.request_id == "x" and s.start_pos == 2  # one cached block of the old "x"
     assert s.token_ids == [2, 3, 0]
-    sched.update(out, {"x": 0})
+    sched.update(out, {"x": [0]})
     assert new.is_finished and old.num_output_tokens == 1 and new.num_output_tokens == 1
     h.kv.check_invariants()
     assert h.kv.pool.num_free_blocks == cfg.num_blocks
@@ -993,15 +993,15 @@ def test_async_decode_computes_the_token_in_flight():
     (s2,) = out2.scheduled
     assert s2.token_ids == [PLACEHOLDER_TOKEN_ID] and s2.start_pos == 3 and s2.needs_sample and s2.output_len == 1
     assert r.num_computed_tokens == 4 and r.num_pending_outputs == 2 and r.num_tokens == 3
-    assert sched.update(out1, {"a": 1}) == [r]
+    assert sched.update(out1, {"a": [1]}) == [r]
     assert r.output_token_ids == [1] and r.num_pending_outputs == 1 and r.num_computed_tokens == 4
     out3 = sched.schedule()  # the third token is the last one allowed: sampled, then nothing more
     (s3,) = out3.scheduled
     assert s3.token_ids == [PLACEHOLDER_TOKEN_ID] and s3.start_pos == 4 and s3.output_len == 2
-    sched.update(out2, {"a": 2})
+    sched.update(out2, {"a": [2]})
     out4 = sched.schedule()
     assert out4.is_empty and r.num_pending_outputs == 1 and sched.has_unfinished_requests()
-    sched.update(out3, {"a": 0})
+    sched.update(out3, {"a": [0]})
     assert r.output_token_ids == [1, 2, 0] and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert sched.schedule().finished_req_ids == ["a"]
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
@@ -1034,9 +1034,9 @@ def test_async_result_of_aborted_request_is_dropped_even_if_its_id_is_reused():
     sched.add_request(new)
     out2 = sched.schedule()
     assert out2.finished_req_ids == ["x"] and out2.scheduled[0].is_new
-    assert sched.update(out1, {"x": 1}) == []  # old "x"'s token: not new "x"'s
+    assert sched.update(out1, {"x": [1]}) == []  # old "x"'s token: not new "x"'s
     assert old.output_token_ids == [] and new.output_token_ids == [] and new.num_pending_outputs == 1
-    assert sched.update(out2, {"x": 2}) == [new] and new.output_token_ids == [2]
+    assert sched.update(out2, {"x": [2]}) == [new] and new.output_token_ids == [2]
     sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
     sched.kv.check_invariants()
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
@@ -1056,7 +1056,7 @@ def test_async_request_preempted_while_its_step_is_in_flight(in_flight_token):
     out2 = sched.schedule()  # a's decode needs the last free block: b, the newest, is preempted
     assert [s.request_id for s in out2.scheduled] == ["a"] and out2.preempted_req_ids == ["b"]
     assert list(sched.waiting) == [b] and b.num_pending_outputs == 1 and b.num_computed_tokens == 0
-    sched.update(out1, {"a": 1, "b": in_flight_token})
+    sched.update(out1, {"a": [1], "b": [in_flight_token]})
     assert b.output_token_ids == [in_flight_token] and b.num_pending_outputs == 0
     if in_flight_token == EOS:
         assert b.status == RequestStatus.FINISHED_STOPPED and not sched.waiting and "b" not in sched.requests
@@ -1065,9 +1065,9 @@ def test_async_request_preempted_while_its_step_is_in_flight(in_flight_token):
         assert list(sched.waiting) == [b] and b.status == RequestStatus.PREEMPTED
         out3 = sched.schedule()
         assert [s.request_id for s in out3.scheduled] == ["a"]  # no room for b while a runs
-        sched.update(out2, {"a": 2})
+        sched.update(out2, {"a": [2]})
         assert sched.schedule().is_empty  # a's last token is in flight; b still does not fit
-        sched.update(out3, {"a": 0})
+        sched.update(out3, {"a": [0]})
         assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
         (s,) = sched.schedule().scheduled  # b resumes: its prompt and the token sampled in flight
         assert s.request_id == "b" and s.is_new and s.start_pos == 0 and s.token_ids == [0, 2, in_flight_token]
@@ -1144,7 +1144,7 @@ def test_auto_chooses_by_cost_per_victim():
     # short: 3 tokens x 1.0 = 3 vs 1 block x 3.0 = 3: not cheaper, recompute.
     # long: 13 tokens x 1.0 = 13 vs 4 blocks x 3.0 = 12: swap.
     assert sched._preemption_mode(short) == "recompute" and sched._preemption_mode(long_) == "swap"
-    sched.update(out, {"short": 0, "long": 0})
+    sched.update(out, {"short": [0], "long": [0]})
     sched.running.remove(long_)
     sched._preempt(long_, out)
     assert kv.is_swapped(long_) and long_.num_computed_tokens == 13
