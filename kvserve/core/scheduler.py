@@ -68,6 +68,9 @@ class Scheduler:
         # request id -> scheduled batches not yet passed to update() that hold it
         self.in_flight: dict[str, int] = {}
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        # Speculative decoding: draft tokens verified, and of those, accepted (appended as outputs).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
 
@@ -327,6 +330,9 @@ class Scheduler:
                 stop = req.stop_status()
                 if stop is not None:
                     break
+            if num_drafts:
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_appended - 1
             if stop is not None:
                 req.status, reason = stop
                 if reason is not None:
