@@ -1154,3 +1154,164 @@ def test_auto_chooses_by_cost_per_victim():
     sched.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)  # aborted while swapped: CPU blocks freed
     assert kv.swap_space.num_free_blocks == 8
     kv.check_invariants()
+
+
+# ---- speculative decoding: lookahead slots and rollback ------------------------------------------
+class SpecRun:
+    """A Scheduler driven with draft tokens (sync loop, as the engine runs with a proposer): every step
+    offers each running request 0..4 drafts, each right (what the content model samples next) or wrong;
+    a fake runner writes every scheduled token's K/V into a simulated cache, checks each read and verifies
+    greedily (the longest matching prefix plus one). After every operation: block ref counts match the
+    tables holding them, nothing is freed twice, a running request holds exactly the blocks of its
+    computed tokens, and the prefix cache holds only tokens that were accepted."""
+
+    def __init__(self, cfg: Cfg, rng: random.Random, drafts: bool):
+        self.cfg, self.rng, self.drafts = cfg, rng, drafts
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
+                                 num_cpu_blocks=cfg.num_cpu_blocks)
+        swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
+                    swap_seconds_per_block=cfg.swap_cost)
+        self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                               cfg.chunked, **swap), self.kv)
+        self.physical: dict[int, list] = {}
+        self.cpu_physical: dict[int, list] = {}
+        self.all: list[Request] = []
+        self.tables: dict[str, list[int]] = {}  # the runner's view of each block table
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        r = Request(rid, list(prompt), Params(max_tokens, ignore_eos=False), eos_token_id=EOS)
+        try:
+            self.sched.add_request(r)
+        except ValueError:
+            return
+        self.all.append(r)
+
+    def _offer(self) -> None:
+        offers = {}
+        for r in self.sched.running:
+            seq = r.all_token_ids
+            tokens = []
+            for _ in range(self.rng.randint(0, 4)):
+                right = content_token(r.request_id, seq)
+                tok = right if self.rng.random() < 0.7 else (right + 1) % ALPHABET
+                tokens.append(tok)
+                seq = seq + [tok]
+            offers[r.request_id] = tokens
+        self.sched.update_draft_token_ids(offers)
+
+    def step(self) -> None:
+        if self.drafts:
+            self._offer()
+        out = self.sched.schedule()
+        c, bs = self.cfg, self.cfg.block_size
+        assert out.total_num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert out.total_num_scheduled_tokens <= c.max_num_batched_tokens
+        for rid in out.finished_req_ids + out.preempted_req_ids:
+            self.tables.pop(rid, None)
+        for rid, num_blocks in out.trimmed_block_tables.items():
+            if rid in self.tables:
+                del self.tables[rid][num_blocks:]
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu_physical[cpu] = list(self.physical.get(gpu, [None] * bs))
+        for gpu, cpu in out.blocks_to_swap_in:
+            self.physical[gpu] = list(self.cpu_physical[cpu])
+        sampled = {}
+        for s in out.scheduled:
+            r = s.request
+            self.tables[s.request_id] = (list(s.new_block_ids) if s.is_new
+                                         else self.tables[s.request_id] + s.new_block_ids)
+            table = self.tables[s.request_id]
+            assert table == self.kv.block_ids(s.request_id)
+            k = len(s.spec_token_ids)
+            end = s.start_pos + len(s.token_ids)
+            if k:  # drafts only after the last known token, within the caps, in their lookahead slots
+                assert s.needs_sample and s.token_ids[-k:] == s.spec_token_ids
+                assert end - k == r.num_tokens and end <= c.max_model_len
+                assert r.num_output_tokens + k + 1 <= r.sampling_params.max_tokens
+            assert len(table) == cdiv(end, bs)
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                self.physical.setdefault(table[pos // bs], [None] * bs)[pos % bs] = tok
+        for s in out.scheduled:
+            r, table = s.request, self.tables[s.request_id]
+            end = s.start_pos + len(s.token_ids)
+            k = len(s.spec_token_ids)
+            attended = [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(end)]
+            assert attended == r.all_token_ids[:end - k] + s.spec_token_ids, f"{s.request_id} reads wrong K/V"
+            if not s.needs_sample:
+                continue
+            new = []
+            for i in range(k + 1):  # greedy verification: sample at each draft position
+                tok = content_token(s.request_id, attended[:end - k + i])
+                new.append(tok)
+                if i == k or tok != s.spec_token_ids[i]:
+                    break
+            sampled[s.request_id] = new
+        before = {s.request_id: (s.request.num_output_tokens, s.request.num_computed_tokens) for s in out.scheduled}
+        self.sched.update(out, sampled)
+        for s in out.scheduled:
+            r = s.request
+            if s.request_id not in sampled:
+                continue
+            n_out, computed = before[s.request_id]
+            appended = r.output_token_ids[n_out:]
+            assert appended == sampled[s.request_id][:len(appended)] and appended
+            if len(appended) < len(sampled[s.request_id]):  # a stop in the middle drops the rest
+                assert r.is_finished
+            if r.status == RequestStatus.RUNNING:
+                # The rejected drafts' K/V is forgotten: all but the newest token is computed.
+                assert r.num_computed_tokens == r.num_tokens - 1
+                assert len(self.kv.block_ids(r.request_id)) == cdiv(r.num_computed_tokens, bs)
+        self.check()
+
+    def check(self) -> None:
+        kv, bs = self.kv, self.cfg.block_size
+        kv.check_invariants()  # every ref count equals the tables holding the block; none in two places
+        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        assert kv.pool.num_free_blocks + len(held) == self.cfg.num_blocks  # nothing leaked
+        for r in self.sched.running:
+            assert not r.num_spec_in_flight
+            table = kv.block_ids(r.request_id)
+            computed = [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(r.num_computed_tokens)]
+            assert computed == r.all_token_ids[:r.num_computed_tokens]
+        # A published block holds exactly the (accepted) tokens its hash was made from.
+        contents = {}
+        for r in self.all:
+            for i, h in enumerate(r.block_hashes):
+                contents[h] = r.token_ids_slice(i * bs, (i + 1) * bs)
+        for block_hash, block_id in kv.pool._cached.items():
+            assert self.physical.get(block_id) == contents[block_hash], f"cached block {block_id}"
+
+    def run(self, limit: int) -> dict[str, list[int]]:
+        steps = 0
+        while self.sched.has_unfinished_requests():
+            steps += 1
+            assert steps <= limit, "livelock"
+            self.step()
+        self.sched.schedule()  # reports the last finishes
+        assert self.kv.pool.num_free_blocks == self.cfg.num_blocks and self.kv.req_to_blocks == {}
+        assert _swap_space_free(self.kv)
+        return {r.request_id: r.output_token_ids for r in self.all}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), seed=st.integers(0, 2**16), data=st.data())
+def test_drafts_with_lookahead_and_rollback_keep_outputs_and_blocks(cfg, seed, data):
+    """The same requests with and without drafts: identical outputs (the content model is greedy), and
+    no block leaked or freed twice on the way, with preemption, swapping, chunking and prefix hits."""
+    cfg = dataclasses.replace(cfg, async_scheduling=False, pipeline_depth=0)
+    n = data.draw(st.integers(1, 5), label="num_requests")
+    reqs = []
+    for i in range(n):
+        length = data.draw(st.integers(1, cfg.max_model_len), label="prompt_len")
+        reqs.append((f"r{i}", data.draw(tokens(length, length), label="prompt"),
+                     data.draw(st.integers(1, 12), label="max_tokens")))
+    outputs = []
+    for drafts in (False, True):
+        run = SpecRun(cfg, random.Random(seed), drafts)
+        for rid, prompt, max_tokens in reqs:
+            run.add(rid, prompt, max_tokens)
+        outputs.append(run.run(limit=50 + 30 * sum(len(p) + m for _, p, m in reqs)))
+        if drafts:
+            assert run.sched.num_accepted_tokens <= run.sched.num_draft_tokens
+    assert outputs[0] == outputs[1]

@@ -128,16 +128,17 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
 
-    def trim(self, request: Request) -> None:
-        """Frees the blocks past the request's computed tokens (slots of rejected draft tokens)."""
+    def trim(self, request: Request) -> int | None:
+        """Frees the blocks past the request's computed tokens (slots of rejected draft tokens); returns
+        how many blocks its table keeps, or None if none was freed."""
         blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
-            return
         keep = cdiv(request.num_computed_tokens, self.block_size)
-        if keep < len(blocks):
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.pool.free(tail[::-1])
+        if not blocks or keep >= len(blocks):
+            return None
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(tail[::-1])
+        return keep
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -89,6 +89,9 @@ class StepMessage:
     grammar_bitmask: Any = None
     finished_req_ids: list[str] = field(default_factory=list)  # the workers drop their state
     preempted_req_ids: list[str] = field(default_factory=list)  # the workers drop their block tables
+    # Block tables cut back to this many blocks since the last step (rejected drafts' blocks were
+    # freed), applied before this step's new block ids.
+    trimmed_block_tables: dict[str, int] = field(default_factory=dict)
     # Block copies done before the step's forward, swap-outs first: (gpu_block, cpu_block).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -105,6 +108,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished since the last step, so the runner can drop per-request state.
     finished_req_ids: list[str] = field(default_factory=list)
+    # Request id -> blocks its table kept when rejected drafts were rolled back since the last step.
+    trimmed_block_tables: dict[str, int] = field(default_factory=dict)
     # Block copies the runner does before the step's forward, swap-outs first: (gpu_block, cpu_block).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -120,7 +125,8 @@ def build_step_message(out: SchedulerOutput) -> StepMessage:
     """The workers' message for a scheduled step; advances each request's count of outputs sent."""
     msg = StepMessage(
         total_num_scheduled_tokens=out.total_num_scheduled_tokens, finished_req_ids=out.finished_req_ids,
-        preempted_req_ids=out.preempted_req_ids, blocks_to_swap_out=out.blocks_to_swap_out,
+        preempted_req_ids=out.preempted_req_ids, trimmed_block_tables=out.trimmed_block_tables,
+        blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_swap_in=out.blocks_to_swap_in,
     )
     cached = msg.scheduled_cached_reqs

@@ -64,6 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
+        self._trimmed_since_last_step: dict[str, int] = {}  # request id -> blocks kept after a rollback
         self.num_preemptions = 0
         # request id -> scheduled batches not yet passed to update() that hold it
         self.in_flight: dict[str, int] = {}
@@ -113,8 +114,11 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
+                              trimmed_block_tables=self._trimmed_since_last_step)
         self._finished_since_last_step = []
+        if self._trimmed_since_last_step:
+            self._trimmed_since_last_step = {}
         budget = self.config.max_num_batched_tokens
 
         # Running requests first (decodes and unfinished prefill chunks), in admission order.
@@ -349,7 +353,9 @@ class Scheduler:
             return
         req.num_computed_tokens -= num_rejected
         if req.status == RequestStatus.RUNNING:
-            self.kv.trim(req)
+            kept = self.kv.trim(req)
+            if kept is not None:  # the workers cut their copy of the table with the next message
+                self._trimmed_since_last_step[req.request_id] = kept
 
     # ---- finishing -------------------------------------------------------------------------------
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:

@@ -44,6 +44,12 @@ class BlockTables:
         self.table[row, n:n + len(block_ids)] = block_ids
         self.lengths[row] = n + len(block_ids)
 
+    def trim(self, rid: str, num_blocks: int) -> None:
+        """Keeps the first `num_blocks` of a row (the scheduler freed the rest: rejected drafts' slots)."""
+        row = self.rows.get(rid)
+        if row is not None:
+            self.lengths[row] = min(int(self.lengths[row]), num_blocks)
+
     def release(self, rid: str) -> None:
         row = self.rows.pop(rid, None)
         if row is not None:
@@ -145,6 +151,8 @@ class InputBatch:
             self.generators.pop(rid, None)
         for rid in msg.preempted_req_ids:
             tables.release(rid)  # the generator stays: a resumed request continues its stream
+        for rid, num_blocks in msg.trimmed_block_tables.items():
+            tables.trim(rid, num_blocks)
         for new in msg.scheduled_new_reqs:
             rid = new.req_id
             reqs[rid] = RequestState(rid, new.prompt_token_ids, new.sampling_params, new.output_token_ids,
