@@ -1247,13 +1247,13 @@ class SpecRun:
                 if i == k or tok != s.spec_token_ids[i]:
                     break
             sampled[s.request_id] = new
-        before = {s.request_id: (s.request.num_output_tokens, s.request.num_computed_tokens) for s in out.scheduled}
+        before = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
         self.sched.update(out, sampled)
         for s in out.scheduled:
             r = s.request
             if s.request_id not in sampled:
                 continue
-            n_out, computed = before[s.request_id]
+            n_out = before[s.request_id]
             appended = r.output_token_ids[n_out:]
             assert appended == sampled[s.request_id][:len(appended)] and appended
             if len(appended) < len(sampled[s.request_id]):  # a stop in the middle drops the rest
