@@ -7,10 +7,7 @@ from dataclasses import dataclass
 from kvserve.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvserve.core.request import Request
 from kvserve.core.swap_space import SwapSpace
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kvserve.units import cdiv  # noqa: F401 - the scheduler and tests read it from here
 
 
 @dataclass

@@ -30,9 +30,7 @@ from kvserve.model.generation_config import describe as describe_generation_defa
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.proposer import Proposer, accepts_drafts
-from kvserve.worker import memory
-from kvserve.worker.runner_output import PendingOutput
-from kvserve.worker.sampling_metadata import sampling_inputs_valid
+from kvserve.units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     sched_out: SchedulerOutput
     scheduled_time: float
-    pending: PendingOutput
+    pending: object  # the executor's launched step: result() -> RunnerOutput
 
 
 @dataclass
@@ -120,7 +118,7 @@ class LLMEngine:
         args = self.config.args
         bytes_per_block = self.executor.kv_bytes_per_block
         mode = getattr(args, "preemption_mode", "recompute")
-        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        num_cpu_blocks = int(args.swap_space * GiB) // bytes_per_block if mode != "recompute" else 0
         if mode != "recompute" and num_cpu_blocks == 0:
             logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
                            bytes_per_block)
@@ -253,7 +251,7 @@ class LLMEngine:
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         if not sched_out.is_empty:
-            memory.maybe_inject_oom("step")
+            self.executor.maybe_inject_step_oom()
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -274,7 +272,7 @@ class LLMEngine:
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
-        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s.request, vocab)}
+        culprits = self.executor.invalid_sampling_requests([s.request for s in scheduled], vocab)
         if not culprits:
             culprits = {s.request_id for s in scheduled}
         parents = {self.output_processor.samples[c].parent.request_id for c in culprits
