@@ -65,8 +65,11 @@ def main() -> None:
         llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
                   max_num_seqs=16, seed=0, **flags)
         engine = llm.llm_engine
-        run = lambda: [o.outputs[0].token_ids for o in  # noqa: E731
-                       llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+        def run(llm=llm):
+            return [o.outputs[0].token_ids
+                    for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
         run()  # warm-up (Triton JIT)
         t = time.perf_counter()
         reference = run()
