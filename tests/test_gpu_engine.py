@@ -159,3 +159,16 @@ def test_fp8_kv_cache_and_weights_on_gpu_stay_close(tiny_llama_dir, quantization
         torch.cuda.empty_cache()
     diff = (scored["bf16"] - scored["fp8"]).abs()
     assert 0 < diff.max() < 0.5 and diff.mean() < 0.05, (diff.mean(), diff.max())
+
+
+def test_fp8_fused_activation_quantization_same_tokens(tiny_llama_dir, monkeypatch):
+    """--quantization fp8 with RMSNorm and SiLU*mul quantizing their outputs for the FP8 GEMMs, and with each
+    linear quantizing its own input: the same bytes reach torch._scaled_mm, so the same tokens (prompts of
+    more than 16 tokens take the _scaled_mm path; 24 prompts decode on it too)."""
+    from kvserve.model.quantization import fp8
+
+    path = tiny_llama_dir
+    prompts = _prompts(24, 32000, seed=6, lo=17, hi=300)
+    fused = _kvserve(path, prompts, "bfloat16", quantization="fp8", skip_tokenizer_init=True)
+    monkeypatch.setattr(fp8, "FUSE_ACTIVATION_QUANT", False)
+    assert fused == _kvserve(path, prompts, "bfloat16", quantization="fp8", skip_tokenizer_init=True)
