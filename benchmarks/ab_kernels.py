@@ -7,8 +7,8 @@
   rms_norm_fp8 / silu_and_mul_fp8 (now); their outputs must be the same bytes.
 * prefill: the unified attention kernel on long prompts (the 8k TTFT and W2 shapes: 32 query heads, 8 KV
   heads, head_dim 128, bf16, one prompt of 8,192 tokens in chunks of 8,192 or 16,384 and a 2,048-token chunk
-  on 6,144 cached tokens) for a grid of PREFILL_CONFIG launch configurations; each must match the current
-  one within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products).
+  on 6,144 cached tokens) for a grid of launch configurations; each must match the one the backend picks
+  now within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products).
 
 Timing: triton.testing.do_bench (median of many runs, L2 flushed between them), in microseconds.
 """
@@ -90,16 +90,17 @@ def _prefill_batch(ctx: int, q_len: int, block_size: int = 16):
     return q, k, v, cache, meta
 
 
-# (BLOCK_M, TILE_N, num_warps, num_stages) candidates for PREFILL_CONFIG; the first is the current one.
-PREFILL_CONFIGS = [None, (64, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                   (128, 128, 8, 2), (64, 128, 4, 2)]
+# (BLOCK_M, TILE_N, num_warps, num_stages) candidates; None: what the backend picks for that query length now
+# (launch_config: PREFILL_CONFIG, or LONG_PREFILL_CONFIG from LONG_PREFILL_MIN_QUERY tokens).
+PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2),
+                   (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 
 
 def prefill(rows_out: list) -> None:
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
-    current = TritonAttentionBackend.PREFILL_CONFIG
     for ctx, q_len in ((0, 8192), (0, 16384), (6144, 2048)):
+        current = TritonAttentionBackend().launch_config(q_len)
         q, k, v, cache, meta = _prefill_batch(ctx, q_len)
         scale = 128 ** -0.5
         # causal FLOPs: 2 GEMMs x 2 flops x heads x d x (keys each query sees)
@@ -108,8 +109,8 @@ def prefill(rows_out: list) -> None:
         reference = None
         for config in PREFILL_CONFIGS:
             backend = TritonAttentionBackend()
-            backend.PREFILL_CONFIG = config or current
-            run = lambda: backend.forward(q, k, v, cache, meta, scale)  # noqa: E731
+            backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = config or current
+            run = lambda: backend.forward(q, k, v, cache, meta, scale)
             try:
                 out = run().float()
             except Exception as exc:  # a configuration that does not fit (shared memory) is reported, not fatal

@@ -12,9 +12,9 @@ from tests.triton_interpreter import KERNEL_DEVICE, KERNEL_TIER, compiled_only
 
 pytest.importorskip("triton")
 
-import kvserve.ops.triton_attention as ta  # noqa: E402
-from kvserve.ops.attention_metadata import AttentionMetadata  # noqa: E402
-from kvserve.ops.torch_attention import TorchAttentionBackend  # noqa: E402
+import kvserve.ops.triton_attention as ta
+from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.ops.torch_attention import TorchAttentionBackend
 
 pytestmark = KERNEL_TIER
 ATOL = 1e-4
@@ -226,3 +226,16 @@ def test_16bit_kv_cache(dtype, ctx_lens, q_lens, split, head_dim):
     assert torch.equal(tri_cache, ref_cache.to(dtype))
     tol = 5e-3 if dtype == torch.float16 else 3e-2
     torch.testing.assert_close(out[:n].float(), ref[:n], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (32, 8)])
+def test_long_prefill_config(num_heads, num_kv_heads):
+    """Steps with a long query take LONG_PREFILL_CONFIG (bigger tiles); here the threshold is lowered so a
+    40-token prompt and a chunk on a cached prefix take it, against the reference."""
+    backend = ta.TritonAttentionBackend()
+    assert backend.launch_config(1) == backend.DECODE_CONFIG
+    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY - 1) == backend.PREFILL_CONFIG
+    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY) == backend.LONG_PREFILL_CONFIG
+    backend.LONG_PREFILL_MIN_QUERY = 32
+    check([0, 77, 5], [40, 33, 1], backend, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+          block_size=16, seed=num_heads)
