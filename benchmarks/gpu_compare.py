@@ -9,7 +9,7 @@ Each part is one device command of under 10 minutes, on the same warm machine (r
     # after the vLLM bundle is unpacked (bash .vllm/install.sh; BENCHMARKS.md says how the bundle travels)
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part vllm-a    # vLLM bf16 + fp8, ~5 min
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part vllm-b    # vLLM AWQ + W2, ~6 min
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part kvserve --commit $(git rev-parse --short HEAD)
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part kvserve --commit COMMIT  # ~6 min
     python3 benchmarks/gpu_compare.py --part table --results DIR [DIR ...]   # here, from the $OUT folders
 
 vLLM runs as the bundle's own `vllm_bench.py` (run, not copied: W1 = its make_workload(), batch-1 = its
@@ -18,6 +18,7 @@ make_latency_prompt(), W2 = its make_long_workload(); `--workload w2 --latency-i
 measures them the same way: W1/W2 seconds of one LLM.generate over all requests; batch-1 tok/s = output tokens
 over the seconds of one LLM.generate (prefill included); TTFT = LLM.generate with max_tokens=1 on an idle
 engine, best of 5 after 2 warm-ups. Both engines get a 16,384-token step budget (vLLM's default on this card).
+kvserve's part also runs the A/B configurations (AB_CONFIGS: a row again with one change of this tree off).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ VLLM_RUNS = {
 }
 W2_MAX_MODEL_LEN = 16384
 LONG_PROMPT = 8192
+# A/B configurations: a measured configuration again with one of this tree's changes turned off, in the same
+# command (name -> (the configuration it repeats, {"module.attribute[.attribute]": value})).
+AB_CONFIGS = {
+    "fp8-unfused": ("fp8", {"kvserve.model.quantization.fp8.FUSE_ACTIVATION_QUANT": False}),
+    "w2-short-tiles": ("w2", {"kvserve.ops.triton_attention.TritonAttentionBackend.LONG_PREFILL_MIN_QUERY": 1 << 30}),
+}
 
 
 def w2_requests() -> list[tuple[list[int], int]]:
@@ -59,6 +66,26 @@ def long_prompt() -> list[int]:
     """The 8,192-token prompt: random.Random(1)'s first ids, as vllm_bench's make_latency_prompt(in_len=8192)."""
     rng = random.Random(1)
     return [rng.randint(100, 119999) for _ in range(LONG_PROMPT)]
+
+
+def set_attributes(values: dict) -> dict:
+    """Sets module (or class) attributes by dotted path; returns what restores them."""
+    import importlib
+
+    old = {}
+    for path, value in values.items():
+        parts = path.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the longest importable prefix is the module
+            try:
+                owner = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        for name in parts[i:-1]:
+            owner = getattr(owner, name)
+        old[path] = getattr(owner, parts[-1])
+        setattr(owner, parts[-1], value)
+    return old
 
 
 def save(results_dir: str, name: str, data: dict) -> None:
@@ -122,13 +149,16 @@ def run_kvserve_part(args) -> None:
         save(args.results, "kvserve.json", res)
 
     awq_tensors = float_params = None
-    for name in args.configs.split(","):
+    for label in args.configs.split(","):
+        name, knobs = AB_CONFIGS.get(label, (label, {}))
         t = time.perf_counter()
         llm = None
+        restore = {}
         try:
+            restore = set_attributes(knobs)
             if name == "bf16":
                 llm = LLM(path, max_model_len=4096, **common)
-                w1_rows(name, llm)
+                w1_rows(label, llm)
                 if "awq" in args.configs:  # the AWQ engine serves these bf16 weights quantized (gpu_quant.py)
                     model = llm.llm_engine.executor.runner.model
                     awq_tensors = awq_served_tensors(model)
@@ -138,14 +168,14 @@ def run_kvserve_part(args) -> None:
                     model = None
             elif name == "fp8":
                 llm = LLM(path, max_model_len=4096, quantization="fp8", **common)
-                w1_rows(name, llm)
+                w1_rows(label, llm)
             elif name == "awq":
                 cfg = dict(W1_CONFIG, quantization_config={"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP,
                                                            "zero_point": True, "version": "gemm"})
                 llm = LLM(write_config(cfg), max_model_len=4096, **common)
                 if awq_tensors is not None:
                     copy_into(llm.llm_engine.executor.runner.model, awq_tensors, float_params)
-                w1_rows(name, llm)
+                w1_rows(label, llm)
             elif name == "w2":
                 llm = LLM(path, max_model_len=W2_MAX_MODEL_LEN, **common)
                 rows = {}
@@ -153,15 +183,20 @@ def run_kvserve_part(args) -> None:
                 measure_ttft(llm, LONG_PROMPT, rows)
                 best_of(llm, [(long_prompt(), 512)], "batch1_8k", rows)
                 best_of(llm, w2_requests(), "w2", rows)
-                res[name] = rows
+                res[label] = rows
                 save(args.results, "kvserve.json", res)
             else:
                 raise ValueError(f"unknown config {name!r}")
         except Exception as exc:  # one failing configuration must not hide the others' numbers
-            logging.exception("kvserve %s failed", name)
-            res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            logging.exception("kvserve %s failed", label)
+            res[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             save(args.results, "kvserve.json", res)
-        print(f"== kvserve {name}: {time.perf_counter() - t:.0f} s", flush=True)
+        finally:
+            set_attributes(restore)
+        if knobs:
+            res[label]["knobs"] = knobs
+            save(args.results, "kvserve.json", res)
+        print(f"== kvserve {label}: {time.perf_counter() - t:.0f} s", flush=True)
         llm = None
         release_device_memory()
 
@@ -222,6 +257,19 @@ def print_table(dirs: list[str]) -> None:
         ratio = "" if theirs is None or mine is None else f"{(mine / theirs if higher else theirs / mine):.2f}x"
         shown = ["not run" if x is None else f"{x:,.1f}" for x in (theirs, mine)]
         print(f"| {name} | {shown[0]} | {shown[1]} | {ratio} |")
+    ab = [(label, base) for label, (base, _) in AB_CONFIGS.items() if label in ours and "error" not in ours[label]]
+    if ab:
+        print("\n| A/B, kvserve only | this tree | with the change off | this tree vs off |\n|---|---|---|---|")
+    for label, base in ab:
+        for row, key, higher in (("w1", "output_tok_s", True), ("batch1", "output_tok_s", True),
+                                 ("w2", "seconds", False), ("batch1_8k", "output_tok_s", True)):
+            now, off = ours.get(base, {}).get(row, {}).get(key), ours[label].get(row, {}).get(key)
+            if now is not None and off is not None:
+                print(f"| {base} {row} {key} vs {label} ({ours[label].get('knobs')}) | {now:,.1f} | {off:,.1f} | "
+                      f"{(now / off if higher else off / now):.2f}x |")
+        if base == "w2" and "ttft_8192_ms" in ours.get(base, {}):
+            now, off = ours[base]["ttft_8192_ms"], ours[label]["ttft_8192_ms"]
+            print(f"| w2 ttft_8192_ms vs {label} | {now:,.1f} | {off:,.1f} | {off / now:.2f}x |")
 
 
 def git_commit() -> str:
@@ -239,7 +287,8 @@ def main():
                     help="where results accumulate (the first); `table` reads all of them")
     ap.add_argument("--bundle", default=".vllm", help="the folder holding the vLLM bundle's vllm_bench.py")
     ap.add_argument("--passes", type=int, default=2, help="timed passes of each W1/W2/batch-1 run; the best counts")
-    ap.add_argument("--configs", default="bf16,fp8,awq,w2", help="kvserve configurations to run")
+    ap.add_argument("--configs", default="bf16,fp8,awq,w2," + ",".join(AB_CONFIGS),
+                    help="kvserve configurations to run: bf16, fp8, awq, w2 and the A/B ones (AB_CONFIGS)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--commit", default=None, help="the kvserve commit measured (default: git, else $KVSERVE_COMMIT)")

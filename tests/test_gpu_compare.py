@@ -47,3 +47,18 @@ def test_table_reads_both_engines_and_orients_ratios(tmp_path, capsys):
     assert rows["TTFT of an 8,192-token prompt, ms"].endswith("| 2.00x |")
     assert rows["batch-1 decode at 8,192 tokens of context, tok/s"].endswith("| 1.00x |")
     assert "| not run | not run |" in rows["W1 AWQ int4, output tok/s"]
+
+
+def test_ab_knobs_set_and_restore_module_and_class_attributes():
+    from kvserve.model.quantization import fp8
+    from kvserve.ops.triton_attention import TritonAttentionBackend
+
+    def read():
+        return fp8.FUSE_ACTIVATION_QUANT, TritonAttentionBackend.LONG_PREFILL_MIN_QUERY
+
+    original = read()
+    fuse, long_min = gpu_compare.AB_CONFIGS["fp8-unfused"][1], gpu_compare.AB_CONFIGS["w2-short-tiles"][1]
+    restore = gpu_compare.set_attributes({**fuse, **long_min})
+    assert read() == (*fuse.values(), *long_min.values()) != original
+    gpu_compare.set_attributes(restore)
+    assert read() == original
