@@ -72,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, r2, weight, out, res_out, n_cols, eps,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=4 if n_cols <= 2048 else 8,
+            num_warps=row_warps(triton.next_power_of_2(n_cols)),  # as rms_norm_fp8: the same sum, bit for bit
         )
     if residual is None:
         return out.view(shape)
