@@ -12,12 +12,12 @@ model runner reads on the device; `update` then fills in the real id.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request_queue import RequestQueue
 
 _WAIT = object()  # admission of this request must wait for another one to progress
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
@@ -97,7 +97,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
@@ -185,7 +185,7 @@ class Scheduler:
             and not out.preempted_req_ids
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
             if self.config.exclusive_batches and req.request_id in self.in_flight:
@@ -349,21 +349,31 @@ class Scheduler:
 
     # ---- finishing -------------------------------------------------------------------------------
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Abort, or finish for a reason found outside the core (a stop string)."""
+        """Abort, or finish for a reason found outside the core (a stop string). Linear in the number of
+        ids: a waiting request leaves its queue in O(1), and the running list is filtered once."""
+        leaving_running = set()
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req in self.waiting:
-                self.waiting.remove(req)
+            queued = req in self.waiting
             req.status = status
-            self._finish(req)
+            if queued:
+                self.waiting.remove(req)
+            else:
+                leaving_running.add(rid)
+            self._release(req)
+        if leaving_running:
+            self.running = [r for r in self.running if r.request_id not in leaving_running]
 
     def _finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:  # preempted while its last step was in flight
+        if req in self.waiting:  # preempted while its last step was in flight
             self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
