@@ -29,14 +29,10 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.entrypoints.openai.admission import AdmissionLimits
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.cli_args import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from kvserve.entrypoints.openai.http_limits import (
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    BodyLimitMiddleware,
-    header_timeout_protocol,
-)
+from kvserve.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

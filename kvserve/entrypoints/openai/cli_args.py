@@ -16,8 +16,12 @@ from kvserve.entrypoints.openai.admission import (
     AdmissionLimits,
 )
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
-from kvserve.entrypoints.openai.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.entrypoints.vllm_flags import add_vllm_flags
+
+# The HTTP limits' defaults live with their flags: building this parser (every `kvserve` command does) must
+# not import the server's dependencies (uvicorn, fastapi), which a machine that only runs the library may lack.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
