@@ -290,7 +290,7 @@ def test_an_unreadable_gguf_is_a_value_error_naming_it(tmp_path):
 # ---- prompts in the library -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llm(llama):
-    return LLM(llama[0], max_model_len=256, kv_cache_memory_bytes=8 << 20, chat_template_timeout=2.0)
+    return LLM(llama[0], max_model_len=256, kv_cache_memory_bytes=8 << 20)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -320,12 +320,20 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SLOW_TEMPLATE = "{% for a in range(4000) %}{% for b in range(4000) %}{% endfor %}{% endfor %}hi"
 
 
-def test_llm_chat_stops_a_looping_template_and_says_how_to_fix_it(tiny_llm):
+def _chat_llm(llama, **limits):
+    try:
+        return LLM(llama[0], max_model_len=256, kv_cache_memory_bytes=8 << 20, **limits)
+    except (TypeError, ValueError) as e:  # a build without the limit: the check below must fail, not error
+        pytest.fail(f"LLM does not take the chat template limit: {e}")
+
+
+def test_llm_chat_stops_a_looping_template_and_says_how_to_fix_it(llama):
+    llm = _chat_llm(llama, chat_template_timeout=2.0)
     with pytest.raises(ValueError, match=r"longer than 2 s.*chat_template_timeout"):
-        tiny_llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=SLOW_TEMPLATE)
-    assert not tiny_llm.llm_engine.has_unfinished_requests()
+        llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=SLOW_TEMPLATE)
+    assert not llm.llm_engine.has_unfinished_requests()
     # The worker was replaced: the next conversation renders as before.
-    (out,) = tiny_llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False)
+    (out,) = llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False)
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in out.prompt
 
 
