@@ -315,9 +315,11 @@ def test_prompts_that_are_not_text_or_token_ids_are_refused(tiny_llm, prompt, me
 
 # ---- LLM.chat renders under the server's limits -------------------------------------------------------
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-# ~16M loop iterations: far past a 2 s limit on any machine, yet finite, so a build without the limit fails
-# this test (no ValueError) instead of hanging it.
-SLOW_TEMPLATE = "{% for a in range(4000) %}{% for b in range(4000) %}{% endfor %}{% endfor %}hi"
+# 10M sandboxed assignments (~15 us each on a 2-core CI machine): far past a 2 s limit on any machine, yet
+# finite, so a build without the limit fails this test (no ValueError) after minutes instead of hanging it.
+# (An empty loop body would not do: jinja compiles it to a bare Python loop, 16M iterations in ~2 s.)
+SLOW_TEMPLATE = ("{% set ns = namespace(n=0) %}{% for a in range(2000) %}{% for b in range(5000) %}"
+                 "{% set ns.n = ns.n + b %}{% endfor %}{% endfor %}{{ ns.n }}")
 
 
 def _chat_llm(llama, **limits):
