@@ -202,9 +202,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Load HF-named tensors (or lazy slices, read only for this rank's part); returns the names of our
-        parameters that were filled."""
+        parameters that were filled (a merged parameter only once every part was)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        parts_loaded: dict[str, set] = {}  # merged parameter -> the shard ids filled so far
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -221,14 +222,27 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for target in targets:
                 loaded.add(self._load_one(params, target, tensor))
+                merged, shard = self._merged_name(target)
+                if shard is not None and merged in params:
+                    parts_loaded.setdefault(merged, set()).add(shard)
+        for merged, got in parts_loaded.items():
+            absent = [f"model.{merged.replace(our, hf)}" for hf, (our, shard) in self._MERGED.items()
+                      if our in merged and shard not in got]
+            if absent:  # the fused GEMM would run on uninitialized rows
+                raise ValueError(f"the checkpoint lacks {', '.join(absent)}, which kvserve fuses with the other "
+                                 f"parts of {merged}; is the checkpoint complete?")
         return loaded
 
-    def _load_one(self, params: dict, name: str, tensor) -> str:
-        shard = None
+    def _merged_name(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id) of a checkpoint tensor that is one part of a merged projection, else
+        (name, None)."""
         for hf_part, (our_part, shard_id) in self._MERGED.items():
             if hf_part in name:
-                name, shard = name.replace(hf_part, our_part), shard_id
-                break
+                return name.replace(hf_part, our_part), shard_id
+        return name, None
+
+    def _load_one(self, params: dict, name: str, tensor) -> str:
+        name, shard = self._merged_name(name)
         param = params.get(name)
         if param is None and name.endswith(".bias") and not as_tensor(tensor).any():
             return name  # GPTQ tools save all-zero biases for layers that have none

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.model.config_schema import check_field_types, check_required_and_relations
 from kvserve.model.registry import ARCHITECTURES, architecture_of, supported_names
-
 
 
 @dataclass
@@ -33,7 +33,10 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False,
+                     source: str = "config.json") -> "ModelConfig":
+        """`source` names the file in errors (its path, or the .gguf the dict was read from)."""
+        check_field_types(cfg, source)
         arch = architecture_of(cfg)
         if arch not in ARCHITECTURES:
             remote = ""
@@ -46,6 +49,7 @@ class ModelConfig:
                 f"Model architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not supported.{remote} "
                 f"Supported: {', '.join(supported_names())}."
             )
+        check_required_and_relations(cfg, source)
         heads = cfg["num_attention_heads"]
         # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -83,7 +87,7 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, model_path: str | Path, trust_remote_code: bool = False) -> "ModelConfig":
-        return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code)
+        return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
@@ -94,6 +98,12 @@ class ModelConfig:
         kv = self.num_key_value_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def config_source(model_path: str | Path) -> str:
+    """The file a model's config comes from, as errors name it."""
+    path = Path(model_path)
+    return f"{path} (GGUF metadata)" if path.suffix == ".gguf" else str(path / "config.json")
 
 
 def load_hf_config_dict(model_path: str | Path) -> dict:
@@ -108,4 +118,7 @@ def load_hf_config_dict(model_path: str | Path) -> dict:
         raise ValueError(
             f"No config.json in {path}. Pass a Hugging Face model directory, a hub repo id or a .gguf file."
         )
-    return json.loads(config_file.read_text())
+    try:
+        return json.loads(config_file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{config_file} is not valid JSON ({e}). Fix or re-download the file.") from None

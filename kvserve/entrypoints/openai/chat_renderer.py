@@ -29,6 +29,10 @@ class ChatTemplateError(ValueError):
     """The template refused these messages, ran too long, or produced too much (the client's error: 400)."""
 
 
+class ChatTemplateTimeout(ChatTemplateError):
+    """The render ran past the time limit (its worker was killed and replaced)."""
+
+
 def _worker_main(conn, tokenizer_bytes: bytes, max_output_chars: int) -> None:
     import signal
 
@@ -95,7 +99,8 @@ class _Worker:
 
 
 class ChatTemplateRenderer:
-    """`await render(messages, **apply_chat_template_kwargs)` -> the prompt text, or ChatTemplateError."""
+    """`await render(messages, **apply_chat_template_kwargs)` -> the prompt text, or ChatTemplateError;
+    `render_sync` is the same for callers without an event loop (`LLM.chat`)."""
 
     def __init__(self, tokenizer, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS, startup_timeout_s: float = 300.0):
@@ -109,10 +114,10 @@ class ChatTemplateRenderer:
 
     async def render(self, messages: list[dict], **kwargs) -> str:
         loop = asyncio.get_running_loop()
-        status, value = await loop.run_in_executor(self._threads, self._render_blocking, messages, kwargs)
-        if status != "ok":
-            raise ChatTemplateError(value)
-        return value
+        return _text_or_raise(*await loop.run_in_executor(self._threads, self._render_blocking, messages, kwargs))
+
+    def render_sync(self, messages: list[dict], **kwargs) -> str:
+        return _text_or_raise(*self._render_blocking(messages, kwargs))
 
     def _render_blocking(self, messages, kwargs):
         with self._lock:
@@ -130,7 +135,7 @@ class ChatTemplateRenderer:
                 logger.warning("A chat template render took longer than %.1f s; restarting its worker.",
                                self.timeout_s)
                 self._replace(worker)
-                return ("error", f"rendering the chat template took longer than {self.timeout_s:g} s")
+                return ("timeout", f"rendering the chat template took longer than {self.timeout_s:g} s")
             return reply
 
     def _replace(self, worker: _Worker) -> None:
@@ -143,3 +148,11 @@ class ChatTemplateRenderer:
                 self._worker.kill()
                 self._worker = None
         self._threads.shutdown(wait=False)
+
+
+def _text_or_raise(status: str, value: str) -> str:
+    if status == "timeout":
+        raise ChatTemplateTimeout(value)
+    if status != "ok":
+        raise ChatTemplateError(value)
+    return value
