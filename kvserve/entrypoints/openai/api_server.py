@@ -51,7 +51,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.entrypoints.openai.serving_base import ClientDisconnectedError
+from kvserve.entrypoints.openai.serving_base import ClientDisconnectedError, RequestTimeoutError
 from kvserve.entrypoints.openai.serving_chat import ServingChat
 from kvserve.entrypoints.openai.serving_completion import ServingCompletion
 
@@ -162,6 +162,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ClientDisconnectedError)
     async def _client_left(request: Request, exc: ClientDisconnectedError):
         return Response(status_code=499)  # nobody reads it: the point is no traceback in the log
+
+    @app.exception_handler(RequestTimeoutError)
+    async def _past_deadline(request: Request, exc: RequestTimeoutError):
+        return error_response(str(exc), 504)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
                        idle_timeout_s=settings.header_timeout, body_timeout_s=settings.request_body_timeout)

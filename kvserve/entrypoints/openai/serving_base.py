@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,8 @@ from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNo
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.request_fields import check_fields
 from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.server")
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp to this
@@ -45,11 +48,14 @@ class Deadline:
         self.seconds = seconds
         self.source = source
         self.expires = asyncio.get_running_loop().time() + seconds
+        self.request_id: str | None = None  # for the log line, once the request has one
 
     def remaining(self) -> float:
         return self.expires - asyncio.get_running_loop().time()
 
     def error(self) -> RequestTimeoutError:
+        logger.warning("Request %s passed its deadline of %g s (%s); aborted.", self.request_id, self.seconds,
+                       self.source)
         return RequestTimeoutError(f"The request did not finish within its deadline of {self.seconds:g} s "
                                    f"({self.source}) and was aborted.")
 

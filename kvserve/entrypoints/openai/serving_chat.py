@@ -204,6 +204,8 @@ class ServingChat(ServingBase):
         max_tokens = self.max_tokens_for(len(token_ids), req.requested_max_tokens)
         params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs), {"logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        if deadline is not None:
+            deadline.request_id = request_id
         streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)],
                                           raw, deadline)
         created = int(time.time())

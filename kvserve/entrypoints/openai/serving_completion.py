@@ -51,6 +51,8 @@ class ServingCompletion(ServingBase):
         deadline = self.deadline(raw, req.stream)
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+        if deadline is not None:
+            deadline.request_id = request_id
         items = []
         for i, p in enumerate(prompts):
             max_tokens = self.max_tokens_for(len(p.token_ids), req.max_tokens)
