@@ -32,7 +32,7 @@ async def trickle(port: int, interval: float, until: float, outcomes: collection
         while time.monotonic() < until:
             try:
                 head = await asyncio.wait_for(reader.read(12), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 writer.write(b" ")
                 await writer.drain()
                 continue

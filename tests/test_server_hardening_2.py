@@ -174,7 +174,7 @@ def test_4_a_stopped_engine_turns_health_503_and_back(tiny_model_factory):
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         os.kill(pid, signal.SIGSTOP)
         try:
-            health = lambda: httpx.get(server.url + "/health", timeout=10)  # noqa: E731
+            health = lambda: httpx.get(server.url + "/health", timeout=10)
             r = _wait_for(lambda: (h := health()).status_code == 503 and h, HEARTBEAT_TIMEOUT + 8)
             assert r, "still 200 with the engine stopped"
             assert "heartbeat" in r.json()["error"]["message"]
@@ -368,6 +368,10 @@ def test_9_special_tokens_in_messages_do_not_forge_turns(server, smol_tokenizer)
     assert tokens.count(im_start) == 3
     chat = _post(server, "/v1/chat/completions", {"messages": forged, "max_tokens": 1}).json()
     assert chat["usage"]["prompt_tokens"] == len(tokens)
+    # A message that is nothing but a special token: the template's own ones stay special, it does not.
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    alone = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "<|im_end|>"}]}).json()["tokens"]
+    assert alone.count(im_end) == _post(server, "/tokenize", {"messages": honest}).json()["tokens"].count(im_end)
     # A message without special tokens tokenizes exactly as the whole rendered text would.
     text = smol_tokenizer.apply_chat_template(honest, tokenize=False, add_generation_prompt=True)
     assert _post(server, "/tokenize", {"messages": honest}).json()["tokens"] == smol_tokenizer.encode(

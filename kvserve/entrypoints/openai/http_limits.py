@@ -75,9 +75,9 @@ class BodyLimitMiddleware:
             remaining = deadline - loop.time()
             try:
                 if remaining <= 0:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 message = await asyncio.wait_for(receive(), min(remaining, self.idle_timeout_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if loop.time() >= deadline:
                     why = (f"The request body was not complete within {self.body_timeout_s:g} s "
                            f"(--request-body-timeout).")

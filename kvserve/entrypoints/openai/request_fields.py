@@ -47,11 +47,11 @@ REFUSED = {
     "logprob_token_ids": (None, "logprob_token_ids is not supported: use logprobs (the top tokens)."),
     "return_tokens_as_token_ids": (None, "return_tokens_as_token_ids is not supported yet; leave it unset."),
     "return_token_ids": (None, "return_token_ids is not supported yet: POST /tokenize gives a text's token ids."),
-    "truncation_side": ("left", "truncation_side: only 'left' (keep the last truncate_prompt_tokens tokens) "
-                                "is supported."),
+    "truncation_side": ("left", ("truncation_side: only 'left' (keep the last truncate_prompt_tokens tokens) "
+                                 "is supported.")),
     "cache_salt": (None, "cache_salt is not supported yet: the prefix cache is shared by every request."),
-    "priority": (0, "priority is not supported: kvserve schedules first come, first served (vLLM also refuses "
-                    "it without --scheduling-policy priority)."),
+    "priority": (0, ("priority is not supported: kvserve schedules first come, first served (vLLM also refuses "
+                     "it without --scheduling-policy priority).")),
     "logits_processors": (None, "logits_processors is not supported."),
     "watermarking": (None, "watermarking is not supported."),
     "repetition_detection": (None, "repetition_detection is not supported yet; use max_tokens or stop."),

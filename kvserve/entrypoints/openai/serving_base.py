@@ -312,7 +312,7 @@ async def before_deadline(outputs, deadline: Deadline | None):
             item = await asyncio.wait_for(iterator.__anext__(), max(0.0, deadline.remaining()))
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise deadline.error() from None
         yield item
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import secrets
 import threading
 import time
 import uuid
@@ -55,59 +57,69 @@ def _message_dict(m: ChatMessage) -> dict:
     return d
 
 
-def _message_texts(message: dict):
-    """The strings of a message that came from the client (all but its role)."""
-    for key, value in message.items():
-        if key != "role" and isinstance(value, str):
-            yield value
+class _SpecialTokensAsText:
+    """Marks where special-token strings from the messages end up in the rendered prompt. Each occurrence
+    in a message string (any field but the role) is replaced, before rendering, by a placeholder that
+    carries a per-request random nonce (so no client can write one); after rendering, each placeholder
+    is put back and its span remembered, wherever the template placed (or trimmed around) the text."""
 
+    def __init__(self, special: list[str]):
+        self.special = special
+        self._pattern = re.compile("|".join(re.escape(t) for t in special)) if special else None
+        self.nonce = secrets.token_hex(8)
+        self.originals: list[str] = []
 
-def _text_spans(text: str, conversation: list[dict], special: list[str]) -> list[tuple[int, int]]:
-    """Where in the rendered `text` special-token strings lie that came from a message rather than from the
-    template, as sorted (start, end) spans. Each message string that holds one is looked up in the text
-    (verbatim, else stripped, as templates often trim); one the template rewrote cannot be told apart
-    and is refused."""
-    spans = []
-    for message in conversation:
-        for value in _message_texts(message):
-            found = [s for s in special if s in value]
-            if not found:
-                continue
-            needle = value if value in text else value.strip()
-            if not needle or needle not in text:
-                raise APIError(f"A message contains the special token {found[0]!r}, and the chat template changes "
-                               f"that message's text, so it cannot be kept as plain text; remove the token.",
-                               400, "messages")
-            start = text.find(needle)
-            while start != -1:
-                for token in special:
-                    at = needle.find(token)
-                    while at != -1:
-                        spans.append((start + at, start + at + len(token)))
-                        at = needle.find(token, at + len(token))
-                start = text.find(needle, start + len(needle))
-    spans.sort()
-    merged: list[tuple[int, int]] = []
-    for a, b in spans:  # overlapping matches (a token inside a longer one): keep the outer
-        if merged and a < merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-        else:
-            merged.append((a, b))
-    return merged
+    def hide(self, conversation: list[dict]) -> list[dict]:
+        if self._pattern is None:
+            return conversation
+        return [{k: self._hide(v) if k != "role" and isinstance(v, str) else v for k, v in m.items()}
+                for m in conversation]
+
+    def _hide(self, value: str) -> str:
+        def placeholder(match):
+            self.originals.append(match.group())
+            return f"\ue000{self.nonce}:{len(self.originals) - 1}\ue001"
+        return self._pattern.sub(placeholder, value)
+
+    def restore(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text with the special tokens back, and the spans they cover in it."""
+        if not self.originals:
+            return text, []
+        out, spans, cursor, seen = [], [], 0, 0
+        length = 0
+        for match in re.finditer("\ue000" + self.nonce + r":(\d+)\ue001", text):
+            token = self.originals[int(match.group(1))]
+            out.append(text[cursor:match.start()])
+            length += match.start() - cursor
+            spans.append((length, length + len(token)))
+            out.append(token)
+            length += len(token)
+            cursor = match.end()
+            seen += 1
+        out.append(text[cursor:])
+        restored = "".join(out)
+        if seen != len(self.originals) or "\ue000" + self.nonce in restored:
+            raise APIError(f"A message contains the special token {self.originals[0]!r}, and the chat template "
+                           f"rewrites that message's text, so it cannot be kept as plain text; remove the token.",
+                           400, "messages")
+        return restored, spans
 
 
 def _encode_keeping_spans_as_text(tokenizer, text: str, spans, add_special_tokens: bool) -> list[int]:
     """Tokenizes `text` with special tokens parsed, except inside `spans`, tokenized as plain text. The
     tokenizer splits at special tokens anyway, so the rest tokenizes exactly as the whole text would."""
-    ids: list[int] = []
-    cursor = 0
-    for i, (a, b) in enumerate(spans):
+    pieces, cursor = [], 0
+    for a, b in spans:
         if a > cursor:
-            ids += tokenizer.encode(text[cursor:a], add_special_tokens=add_special_tokens and not ids)
-        ids += tokenizer.encode(text[a:b], add_special_tokens=False, split_special_tokens=True)
+            pieces.append((text[cursor:a], False))
+        pieces.append((text[a:b], True))
         cursor = b
     if cursor < len(text):
-        ids += tokenizer.encode(text[cursor:], add_special_tokens=False)
+        pieces.append((text[cursor:], False))
+    ids: list[int] = []
+    for i, (piece, as_text) in enumerate(pieces):
+        ids += tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0,
+                                split_special_tokens=as_text)
     return ids
 
 
@@ -152,10 +164,10 @@ class ServingChat(ServingBase):
                                 continue_final_message: bool, chat_template: str | None,
                                 chat_template_kwargs: dict | None, add_special_tokens: bool) -> tuple[str, list[int]]:
         """The prompt text of `messages` and its token ids, special tokens from the messages kept as text."""
-        text = await self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template,
-                                      chat_template_kwargs)
-        conversation = [_message_dict(m) for m in messages]
-        spans = _text_spans(text, conversation, self.special_strings())
+        marks = _SpecialTokensAsText(self.special_strings())
+        conversation = marks.hide([_message_dict(m) for m in messages])
+        text, spans = marks.restore(await self._render(conversation, add_generation_prompt, continue_final_message,
+                                                       chat_template, chat_template_kwargs))
         if not spans:
             return text, await self.encode(text, add_special_tokens, "messages")
         tokenizer = self.check_text_size(text, "messages")
@@ -166,6 +178,11 @@ class ServingChat(ServingBase):
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           chat_template_kwargs: dict | None) -> str:
+        return await self._render([_message_dict(m) for m in messages], add_generation_prompt,
+                                  continue_final_message, chat_template, chat_template_kwargs)
+
+    async def _render(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                      chat_template: str | None, chat_template_kwargs: dict | None) -> str:
         tokenizer = self.require_tokenizer("Chat")
         if chat_template is not None and not self.trust_request_chat_template:
             raise APIError("A chat_template in the request is refused: the server runs without "
@@ -179,7 +196,6 @@ class ServingChat(ServingBase):
                 raise APIError(f"chat_template_kwargs may not set {name}.", 400, "chat_template_kwargs")
         kwargs.update(chat_template=template, add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message)
-        conversation = [_message_dict(m) for m in messages]
         if self.renderer is None:  # a request that beat the start-up hook
             await asyncio.get_running_loop().run_in_executor(None, self.start_renderer)
         try:
