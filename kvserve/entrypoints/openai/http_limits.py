@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import resource
-import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -127,7 +126,7 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     request's headers are not complete within `header_timeout_s` of the connection opening or of the
     previous response ending."""
     refusal = _refusal_bytes(max_connections)
-    refused_log = _EveryFewSeconds(10.0)
+    refused_log = _RefusalLog(max_connections)
 
     class LimitedH11Protocol(H11Protocol):
         _header_timer = None
@@ -156,10 +155,7 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 self.transport = transport
                 transport.write(refusal)
                 transport.close()  # flushes the 503, then frees the descriptor
-                count = refused_log.tick()
-                if count:
-                    logger.warning("Refused %d connection(s) in the last seconds: %d open, the limit of "
-                                   "--max-concurrent-connections.", count, max_connections)
+                refused_log.refused(self.loop)
                 return
             super().connection_made(transport)
             self._arm_header_timer()
@@ -191,22 +187,33 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     return LimitedH11Protocol
 
 
-class _EveryFewSeconds:
-    """Counts events; `tick()` returns how many happened since the last report once `interval_s` has
-    passed (else 0), so an expected flood costs one log line per interval."""
+class _RefusalLog:
+    """One log line for the first refused connection, then at most one per `interval_s` with how many
+    followed: an expected flood costs a few lines, not one per socket."""
 
-    def __init__(self, interval_s: float):
+    def __init__(self, max_connections: int, interval_s: float = 10.0):
+        self.max_connections = max_connections
         self.interval_s = interval_s
-        self.count = 0
-        self.last = float("-inf")
+        self.pending = 0
+        self.flush_scheduled = False
 
-    def tick(self) -> int:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last < self.interval_s:
-            return 0
-        self.last, count, self.count = now, self.count, 0
-        return count
+    def refused(self, loop) -> None:
+        if not self.flush_scheduled:
+            logger.warning("Refused a connection: %d open, the limit of --max-concurrent-connections.",
+                           self.max_connections)
+            self.flush_scheduled = True
+            loop.call_later(self.interval_s, self._flush, loop)
+        else:
+            self.pending += 1
+
+    def _flush(self, loop) -> None:
+        if self.pending:
+            logger.warning("Refused %d more connection(s) in %g s (--max-concurrent-connections %d).",
+                           self.pending, self.interval_s, self.max_connections)
+            self.pending = 0
+            loop.call_later(self.interval_s, self._flush, loop)
+        else:
+            self.flush_scheduled = False
 
 
 def fit_connection_limit(max_connections: int) -> int:
