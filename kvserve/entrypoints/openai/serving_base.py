@@ -107,6 +107,10 @@ class ServingBase:
                 f"bytes, more than that many tokens can hold. Please shorten it.", 400, param)
         return tokenizer
 
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on a tokenizer thread: text work never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(_TEXT_POOL, fn, *args)
+
     async def decode(self, token_ids: list[int]) -> str:
         tokenizer = self.require_tokenizer("Detokenizing")
         return await asyncio.get_running_loop().run_in_executor(_TEXT_POOL, tokenizer.decode, token_ids)

@@ -21,7 +21,6 @@ from kvserve.entrypoints.openai.chat_renderer import ChatTemplateRenderer
 from kvserve.entrypoints.openai.errors import APIError, sse_error
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.entrypoints.openai.serving_base import (
-    _TEXT_POOL,
     SSE_DONE,
     EventStreamResponse,
     ServingBase,
@@ -64,7 +63,6 @@ class _SpecialTokensAsText:
     is put back and its span remembered, wherever the template placed (or trimmed around) the text."""
 
     def __init__(self, special: list[str]):
-        self.special = special
         self._pattern = re.compile("|".join(re.escape(t) for t in special)) if special else None
         self.nonce = secrets.token_hex(8)
         self.originals: list[str] = []
@@ -171,9 +169,7 @@ class ServingChat(ServingBase):
         if not spans:
             return text, await self.encode(text, add_special_tokens, "messages")
         tokenizer = self.check_text_size(text, "messages")
-        ids = await asyncio.get_running_loop().run_in_executor(
-            _TEXT_POOL, _encode_keeping_spans_as_text, tokenizer, text, spans, add_special_tokens)
-        return text, ids
+        return text, await self.off_loop(_encode_keeping_spans_as_text, tokenizer, text, spans, add_special_tokens)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
