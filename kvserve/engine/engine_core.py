@@ -27,7 +27,7 @@ from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params) | ("abort", id) | ("stop",)
+# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params, group) | ("abort", id) | ("stop",)
 # | ("ping",), which only makes an idle core publish a batch: the server's proof that the step loop lives.
 STOP = ("stop",)
 PING = ("ping",)
@@ -59,9 +59,9 @@ class EngineCore:
             for cmd in take_commands(not engine.has_unfinished_requests()):
                 kind = cmd[0]
                 if kind == "add":
-                    _, rid, prompt, params = cmd
+                    _, rid, prompt, params, group = cmd
                     try:
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, prompt, params, group)
                         self.live.add(rid)
                         accepted.append((rid, None))
                     except Exception as e:  # noqa: BLE001 - a bad request is the caller's error, not ours

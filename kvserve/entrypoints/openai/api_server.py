@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -32,19 +32,19 @@ from kvserve import log_safety
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.admission import AdmissionLimits
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
-from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
-from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from kvserve.entrypoints.openai.host_check import HostCheckMiddleware, is_loopback
-from kvserve.entrypoints.openai.http_limits import (
+from kvserve.entrypoints.openai.cli_args import (
+    DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_CONNECTIONS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
-    BodyLimitMiddleware,
-    fit_connection_limit,
-    limited_protocol,
 )
+from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
+from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.host_check import HostCheckMiddleware, is_loopback
+from kvserve.entrypoints.openai.http_limits import BodyLimitMiddleware, fit_connection_limit, limited_protocol
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,7 +58,6 @@ from kvserve.entrypoints.openai.serving_completion import ServingCompletion
 logger = logging.getLogger("kvserve.server")
 
 STATS_LOG_INTERVAL_S = 10.0
-DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S = 10.0
 # Open like vLLM's: probes and scrapers carry no API key.
 # (/dashboard is the page's empty shell; its data, /dashboard/snapshot, needs the key like /v1.)
 _UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", DASHBOARD_PAGE})
@@ -87,6 +86,7 @@ class ServerSettings:
     port: int = 8000
     allowed_hosts: tuple[str, ...] = ()
     chat_template_workers: int | None = None
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
 
 @dataclass
@@ -178,9 +178,10 @@ def build_app(state: ServerState) -> FastAPI:
         renderer_options["num_workers"] = settings.chat_template_workers
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
-                       request_timeout=settings.request_timeout, **renderer_options)
+                       request_timeout=settings.request_timeout, admission=settings.admission, **renderer_options)
     state.on_ready = chat.start_renderer
-    completion = ServingCompletion(engine, settings.served_model_name, request_timeout=settings.request_timeout)
+    completion = ServingCompletion(engine, settings.served_model_name, request_timeout=settings.request_timeout,
+                                   admission=settings.admission)
     add_dashboard_routes(app, engine, metrics, settings.served_model_name)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -352,7 +353,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-               chat_template_timeout: float = DEFAULT_TIMEOUT_S,
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S, admission: AdmissionLimits | None = None,
                request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
                max_concurrent_connections: int = DEFAULT_MAX_CONCURRENT_CONNECTIONS,
                request_timeout: float | None = None,
@@ -380,9 +381,11 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         port=port,
         allowed_hosts=tuple(allowed_hosts),
         chat_template_workers=chat_template_workers,
+        admission=admission or AdmissionLimits(),
     )
     metrics = EngineMetrics(settings.served_model_name)
-    state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)
+    engine = AsyncEngine(engine_args, metrics, max_waiting_sequences=settings.admission.max_waiting_requests)
+    state = ServerState(engine=engine, metrics=metrics, settings=settings)
     app = build_app(state)
     # The drain (above) already waited for the requests; uvicorn's own wait only flushes their last bytes.
     max_connections = fit_connection_limit(max_concurrent_connections)

@@ -17,14 +17,14 @@ import resource
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvserve.entrypoints.openai.cli_args import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 from kvserve.entrypoints.openai.errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
-DEFAULT_HEADER_TIMEOUT_S = 30.0
-DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
-DEFAULT_MAX_CONCURRENT_CONNECTIONS = 2048
 # Descriptors the process needs besides client connections: model files, pipes, the engine's sockets.
 _FD_HEADROOM = 256
 

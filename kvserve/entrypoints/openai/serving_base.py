@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError
+from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError, EngineOverloadedError
+from kvserve.entrypoints.openai.admission import AdmissionLimits, check_request_id
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.request_fields import check_fields
 from kvserve.sampling_params import SamplingParams
@@ -62,8 +63,10 @@ class Deadline:
 
 class ServingBase:
     def __init__(self, engine: AsyncEngine, served_model_name: str, response_role: str = "assistant",
-                 chat_template: str | None = None, request_timeout: float | None = None):
+                 chat_template: str | None = None, admission: AdmissionLimits | None = None,
+                 request_timeout: float | None = None):
         self.engine = engine
+        self.admission = admission or AdmissionLimits()
         self.served_model_name = served_model_name
         self.response_role = response_role
         self.chat_template = chat_template
@@ -137,12 +140,15 @@ class ServingBase:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def check_request(self, req) -> None:
-        """The model exists (404) and the body's cross-field rules hold (400)."""
+        """The model exists (404), the body's cross-field rules hold and its fan-out is within the admission
+        limits (400); all before any prompt is tokenized."""
         self.check_model(req.model)
         try:
             req.check()
         except ValueError as e:
             raise APIError(str(e), 400, _param_of(str(e))) from None
+        check_request_id(req.request_id)
+        self.admission.check_fan_out(req.num_prompts, req.n)
         check_fields(req)
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
@@ -234,6 +240,8 @@ class ServingBase:
             return await until_disconnect(raw, work, lambda: None, deadline)
         except ValueError as e:
             raise APIError(str(e), 400) from None
+        except EngineOverloadedError as e:
+            raise APIError(str(e), 429, headers={"Retry-After": str(e.retry_after_s)}) from None
         except (EngineNotReadyError, EngineFailedError) as e:
             raise engine_error(e) from None
 
