@@ -1,0 +1,162 @@
+"""Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): greedy tokens identical to HF transformers on the
+same tiny random checkpoints (fp32, CPU), also with chunked prefill, prefix-cache hits and preemption in one
+run, and with tensor parallelism (experts split) and expert parallelism (whole experts per rank) at TP=2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.model_config import ModelConfig
+from tests.conftest import TINY_VOCAB, hf_greedy, random_prompts
+
+COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+              bos_token_id=1, initializer_range=0.1)  # wide weights: varied routing, tokens that are not all equal
+
+
+def _hf_config(arch: str):
+    import transformers
+
+    if arch == "qwen2_moe":  # shared expert behind a sigmoid gate, top-k not renormalised, a dense layer
+        return transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=False, mlp_only_layers=[2])
+    if arch == "qwen3_moe":  # q/k norm, renormalised top-4 of 16, every second layer sparse
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                                           num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                           decoder_sparse_step=2)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    raise ValueError(arch)
+
+
+ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral"]
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory, smol_tokenizer):
+    import transformers
+
+    def make(arch: str):
+        if arch not in _BUILT:
+            torch.manual_seed(97)
+            model = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            smol_tokenizer.save_pretrained(path)
+            _BUILT[arch] = (str(path), model)
+        return _BUILT[arch]
+
+    return make
+
+
+def test_config_reads_the_moe_fields(moe_model):
+    qwen2 = ModelConfig.from_path(moe_model("qwen2_moe")[0])
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.shared_expert_intermediate_size) == (8, 2, 48)
+    assert qwen2.attention_bias and not qwen2.norm_topk_prob and qwen2.mlp_only_layers == [2]
+    qwen3 = ModelConfig.from_path(moe_model("qwen3_moe")[0])
+    assert qwen3.qk_norm and qwen3.norm_topk_prob and qwen3.num_experts == 16
+    assert [qwen3.is_moe_layer(i) for i in range(3)] == [False, True, False]  # decoder_sparse_step 2
+    mixtral = ModelConfig.from_path(moe_model("mixtral")[0])
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 32 and mixtral.num_moe_layers == 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_num_params_counts_every_expert_and_active_only_top_k(moe_model, arch):
+    path, hf_model = moe_model(arch)
+    cfg = ModelConfig.from_path(path)
+    assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters())
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = cfg.num_moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
+    assert cfg.num_active_params() == cfg.num_params() - idle
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_models_match_hf(moe_model, arch):
+    path, hf_model = moe_model(arch)
+    prompts = random_prompts(8, 1, 120, seed=len(arch))
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=32 << 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = hf_greedy(hf_model, prompts, 12)
+    assert len({tuple(e) for e in expected}) > 1  # the oracle is not degenerate
+    for prompt, out, exp in zip(prompts, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"prompt of {len(prompt)} tokens"
+
+
+MAX_TOKENS = 6
+# Prompts 0 and 1 share two full blocks (a prefix hit for 1); 40+ tokens exceed the 32-token budget (chunked
+# prefill); 5 blocks of 16 cannot hold all three at once (a preemption).
+ENGINE = dict(max_model_len=80, block_size=16, num_gpu_blocks_override=5, max_num_batched_tokens=32, max_num_seqs=3,
+              enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def _scheduling_prompts() -> list[list[int]]:
+    base = random_prompts(3, 36, 44, seed=7)
+    return [base[0], base[0][:32] + base[1][:9], base[2]]
+
+
+def _run(path: str, **parallel):
+    llm = LLM(path, **ENGINE, **parallel)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in _scheduling_prompts()],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_with_chunked_prefill_prefix_hits_and_preemption_matches_hf(moe_model, arch):
+    path, hf_model = moe_model(arch)
+    tokens, stats = _run(path)
+    assert tokens == hf_greedy(hf_model, _scheduling_prompts(), MAX_TOKENS)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(tensor_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "ep2"])
+def test_moe_tensor_and_expert_parallel_match_tp1(moe_model, arch, parallel):
+    path, hf_model = moe_model(arch)
+    tokens, stats = _run(path, **parallel)
+    assert tokens == hf_greedy(hf_model, _scheduling_prompts(), MAX_TOKENS)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+def test_gpt_oss_is_refused_with_what_is_missing():
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
+    with pytest.raises(ValueError, match="attention sinks.*MXFP4.*Supported: .*Qwen3MoeForCausalLM"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+@pytest.mark.parametrize("experts,ranks", [(8, 2), (10, 4), (3, 3)])
+def test_expert_placement_gives_every_expert_one_rank(experts, ranks):
+    from kvserve.model.moe import expert_placement
+
+    owned = []
+    for rank in range(ranks):
+        first, count = expert_placement(experts, ranks, rank)
+        assert count in (experts // ranks, experts // ranks + 1)
+        owned += range(first, first + count)
+    assert owned == list(range(experts))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_rank_holds_split_experts_or_whole_ones(monkeypatch, expert_parallel):
+    from kvserve.distributed import parallel_state
+    from kvserve.model.moe import FusedMoE
+
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=1, world_size=2, tp_size=2, expert_parallel=expert_parallel))
+    moe = FusedMoE(num_experts=8, hidden=64, intermediate=32)
+    if expert_parallel:  # experts 4..7, whole
+        assert (moe.first_expert, moe.num_local_experts) == (4, 4)
+        assert moe.w13_weight.shape == (4, 64, 64) and moe.w2_weight.shape == (4, 64, 32)
+        assert moe.expert_map.tolist() == [-1] * 4 + [0, 1, 2, 3]
+    else:  # all 8 experts, half of each one's intermediate features
+        assert moe.w13_weight.shape == (8, 32, 64) and moe.w2_weight.shape == (8, 64, 16)
+        assert moe.expert_map is None
