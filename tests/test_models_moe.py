@@ -160,3 +160,62 @@ def test_rank_holds_split_experts_or_whole_ones(monkeypatch, expert_parallel):
     else:  # all 8 experts, half of each one's intermediate features
         assert moe.w13_weight.shape == (8, 32, 64) and moe.w2_weight.shape == (8, 64, 16)
         assert moe.expert_map is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe_model, arch, tmp_path):
+    """--quantization fp8: every expert (and the attention, dense and shared MLPs) becomes per-channel e4m3 at
+    load; HF on a checkpoint holding exactly those dequantized weights is the oracle."""
+    import re
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.model.quantization.fp8 import quantize_per_channel
+
+    path, _ = moe_model(arch)
+    weights = load_file(f"{path}/model.safetensors")
+    for name, w in weights.items():
+        if re.search(r"(_proj|\.w[123])\.weight$", name):  # not the routers, norms, embedding or head
+            q, scale = quantize_per_channel(w)
+            weights[name] = q.float() * scale[:, None]
+    ddir = tmp_path / "dequantized"
+    shutil.copytree(path, ddir)
+    save_file(weights, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    prompts = random_prompts(4, 1, 60, seed=5)
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, quantization="fp8")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    experts = llm.llm_engine.executor.runner.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+
+
+def test_fp8_checkpoint_experts_are_refused_with_the_alternative():
+    from kvserve.model.quantization.fp8 import Fp8Config
+
+    with pytest.raises(ValueError, match="bf16 checkpoint with --quantization fp8"):
+        Fp8Config(checkpoint_is_fp8=True).get_moe_method("layers.0.mlp.experts")
+    from kvserve.model.quantization.awq import AWQConfig
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        AWQConfig.from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+                              ).get_moe_method("layers.0.mlp.experts")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_memory_plan_counts_each_ranks_moe_weights(moe_model, monkeypatch, arch, tp, expert_parallel):
+    """The plan's per-rank weight bytes equal the parameters the model builds on that rank."""
+    from kvserve.distributed import parallel_state
+    from kvserve.model.registry import model_class
+    from kvserve.worker import memory_plan
+
+    cfg = ModelConfig.from_path(moe_model(arch)[0])
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=tp - 1, world_size=tp, tp_size=tp, expert_parallel=expert_parallel))
+    model = model_class(cfg.architecture)(cfg, None, 64)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert memory_plan.weight_bytes(memory_plan.rank_shapes(cfg, tp, 1, expert_parallel)[0], 4) == built
