@@ -129,6 +129,12 @@ def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, 
             row[f"{kind}_ms"] = round(ms, 4)
             row[f"{kind}_weight_GBps"] = round(hit * expert_elements * (2 if sa is None else 1) / ms / 1e6, 1)
             del ref, out
+        # The sort of pairs into expert blocks: one Triton launch vs the torch version (the reference).
+        block_m = fused_moe._gemm_config(tokens * top_k, experts)["BLOCK_M"]
+        row["align_triton_ms"] = round(graph_time_ms(
+            functools.partial(fused_moe.align_block_size_triton, ids, experts, block_m)), 4)
+        row["align_torch_ms"] = round(graph_time_ms(functools.partial(fused_moe.align_block_size, ids, experts,
+                                                                      block_m)), 4)
         if tokens <= 2048:  # the per-expert loop syncs on the host: eager timing only
             row["torch_bf16_ms"] = round(eager_time_ms(functools.partial(fused_moe_torch, x, w13, w2, weights, ids)), 4)
         if sweep and tokens in (1, 16, 256, 2048, 8192):
@@ -252,11 +258,13 @@ def main():
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
 
-    print("\n| kernel: shape, tokens | bf16 ms (rel err) | fp8 ms (rel err) | torch ref bf16 ms | weights GB/s bf16/fp8 |")
-    print("|---|---|---|---|---|")
+    print("\n| kernel: shape, tokens | bf16 ms (rel err) | fp8 ms (rel err) | torch ref bf16 ms | weights GB/s bf16/fp8 "
+          "| align ms triton / torch |")
+    print("|---|---|---|---|---|---|")
     for r in results.get("kernel", []):
         print(f"| {r['shape']}, {r['tokens']} | {r['bf16_ms']} ({r['bf16_rel_err']}) | {r['fp8_ms']} "
-              f"({r['fp8_rel_err']}) | {r.get('torch_bf16_ms', '-')} | {r['bf16_weight_GBps']} / {r['fp8_weight_GBps']} |"
+              f"({r['fp8_rel_err']}) | {r.get('torch_bf16_ms', '-')} | {r['bf16_weight_GBps']} / {r['fp8_weight_GBps']} | "
+              f"{r['align_triton_ms']} / {r['align_torch_ms']} |"
               + (f" sweep best {r['sweep_best_bf16']}" if "sweep_best_bf16" in r else ""))
     if "parity" in results:
         p = results["parity"]

@@ -127,6 +127,14 @@ def test_moe_tensor_and_expert_parallel_match_tp1(moe_model, arch, parallel):
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
 
 
+def test_moe_pipeline_parallel_matches_hf(moe_model):
+    """Two stages over Qwen3-MoE's sparse and dense layers (decoder_sparse_step 2)."""
+    path, hf_model = moe_model("qwen3_moe")
+    tokens, stats = _run(path, pipeline_parallel_size=2)
+    assert tokens == hf_greedy(hf_model, _scheduling_prompts(), MAX_TOKENS)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
 def test_gpt_oss_is_refused_with_what_is_missing():
     cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
     with pytest.raises(ValueError, match="attention sinks.*MXFP4.*Supported: .*Qwen3MoeForCausalLM"):
