@@ -25,6 +25,7 @@ from kvserve.model.layers import (
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.ops.attention_backend import AttentionBackend
 from kvserve.ops.attention_metadata import AttentionMetadata
 
@@ -87,12 +88,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = "", intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        """intermediate_size: default the config's (a MoE shared expert has its own); reduce_results=False
+        leaves the all-reduce to the caller."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2,
                                                        quant_method=_quant_method(quant_config, f"{prefix}.gate_up_proj"))
         self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, reduce_results=reduce_results,
                                            quant_method=_quant_method(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x):
@@ -114,7 +119,11 @@ class DecoderLayer(nn.Module):
                  prefix: str = ""):
         super().__init__()
         self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn")
-        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
+        layer_index = int(prefix.rsplit(".", 1)[-1])
+        if cfg.is_moe_layer(layer_index):
+            self.mlp = SparseMoeBlock(cfg, quant_config, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
