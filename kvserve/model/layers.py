@@ -302,6 +302,19 @@ class RMSNorm(nn.Module):
         _copy_into(param.data, loaded, "weight")
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in fp32 and rounded once at the end (HF's order; the
+    checkpoint stores weight, not 1 + weight). Same residual contract as RMSNorm."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
     low = scaling.get("low_freq_factor", 1.0)
@@ -318,11 +331,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, rotate-half layout (HF's Llama convention), cos/sin cached in fp32."""
+    """Rotary position embedding, rotate-half layout (HF's Llama convention), cos/sin cached in fp32.
+    With rotary_dim < head_dim (partial rotary, Phi-4-mini) only each head's first rotary_dim dims turn."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.rotary_dim = dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
@@ -339,6 +355,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path)."""
+        rot = self.rotary_dim
+        if rot < q.shape[-1]:  # partial: the first rot dims turn, the rest pass through
+            if use_fused_kernels(q):
+                self._rotate_all(positions, q[..., :rot], k[..., :rot])  # in place, through the views
+                return q, k
+            q_rot, k_rot = self._rotate_all(positions, q[..., :rot], k[..., :rot])
+            return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+        return self._rotate_all(positions, q, k)
+
+    def _rotate_all(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if use_fused_kernels(q) and q.shape[-1] % 2 == 0:
             from kvserve.ops.fused_kernels import apply_rotary_
 

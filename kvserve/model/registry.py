@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", "mistral", "kvserve.model.llama:MistralForCausalLM"),
         Architecture("Qwen2ForCausalLM", "qwen2", "kvserve.model.llama:Qwen2ForCausalLM"),
         Architecture("Qwen3ForCausalLM", "qwen3", "kvserve.model.llama:Qwen3ForCausalLM"),
+        Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
+        Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
+        Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
     )
 }
 _BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
