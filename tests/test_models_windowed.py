@@ -44,9 +44,36 @@ def test_matches_hf(model):
 
 def test_matches_hf_with_chunks_prefix_hits_and_preemption(model):
     path, prompts, expected = model
-    # Chunks of 20 tokens (shorter than the window), prefix caching on, 18 blocks of 16 for 12 requests.
-    tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6, num_gpu_blocks_override=18,
-                               max_model_len=160)
+    # Chunks of 20 tokens (shorter than the window), prefix caching on, few blocks of 16 for 12 requests
+    # (fewer where every layer is windowed: those requests free their old blocks as they go).
+    all_windowed = path.split("tiny-")[-1].startswith(("mistral-window", "phi3"))
+    tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6,
+                               num_gpu_blocks_override=8 if all_windowed else 18, max_model_len=160)
     assert tokens == expected
     stats = engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+def test_window_frees_blocks_and_max_model_len_beyond_the_window(tiny_model_factory):
+    """An all-windowed model (Mistral's window on every layer): a request far longer than the KV cache
+    runs, because blocks behind the window are freed as it goes, with HF's tokens; max_model_len is 4x
+    the window and 2x the cache."""
+    path, hf_model = tiny_model_factory("mistral-window")
+    prompt = random_prompts(1, 70, 70, seed=11)[0]
+    max_tokens = 120  # 190 tokens = 12 blocks of 16; the cache has 5
+    llm = LLM(path, max_model_len=4 * WINDOW * 2, kv_cache_memory_bytes=16 << 20, num_gpu_blocks_override=5,
+              max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.sliding_window == WINDOW
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, [prompt], max_tokens)[0]
+    assert engine.get_stats().num_preemptions == 0
+    assert engine.kv_cache_manager.pool.num_free_blocks == 5
+
+
+def test_interleaved_model_keeps_every_block(tiny_model_factory):
+    """Gemma's full layers need every position: its KV cache frees nothing (one table serves all layers)."""
+    path, _ = tiny_model_factory("gemma2")
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.kv_cache_manager.sliding_window is None

@@ -48,6 +48,14 @@ class ModelConfig:
     def has_windowed_layers(self) -> bool:
         return any(w is not None for w in self.layer_windows)
 
+    @property
+    def kv_cache_window(self) -> int | None:
+        """The window the KV cache may free blocks behind: set when every layer has the same window (one
+        block table serves all layers). Interleaved models (Gemma) keep every block: their full layers
+        need them."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
     @classmethod
     def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False) -> "ModelConfig":
         arch = architecture_of(cfg)
