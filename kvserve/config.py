@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model.model_config import ModelConfig
+from kvserve.sizing.memory_plan import KV_CACHE_DTYPES
 
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -103,8 +103,8 @@ class EngineArgs:
         from kvserve.model.quantization import normalize_method
 
         normalize_method(self.quantization)
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {', '.join(_KV_CACHE_DTYPES)}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
         if self.swap_space is None or self.swap_space < 0:
             bad("swap_space", f"must be >= 0 GiB, got {self.swap_space}.")
         if self.preemption_mode not in ("recompute", "swap", "auto"):

@@ -18,8 +18,8 @@ import os
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.worker import memory_plan
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing import memory_plan
+from kvserve.sizing.memory_plan import GiB
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-GiB = 1 << 30
-MiB = 1 << 20
+from kvserve.units import GiB, MiB, cdiv  # noqa: F401 - re-exported: plan and memory read them from here
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 # What a CUDA context and the libraries outside torch's allocator take on a GPU before the engine loads
 # anything; a plan counts it as "held by others" (the engine measures it).
@@ -22,7 +22,8 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 GRAPH_POOL_MARGIN_BYTES = 64 * MiB
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype values the engine implements (fp8 is stored as e4m3), checked by EngineArgs and here.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
 
@@ -31,15 +32,9 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str | None, model_dtype: str) -> int:
     """'auto' stores K/V in the model's dtype; 'fp8' in one byte."""
     if kv_cache_dtype in (None, "auto"):
         return DTYPE_BYTES[model_dtype]
-    if kv_cache_dtype in _FP8_KV_DTYPES:
+    if kv_cache_dtype in KV_CACHE_DTYPES:
         return 1
-    if kv_cache_dtype in DTYPE_BYTES:
-        return DTYPE_BYTES[kv_cache_dtype]
-    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, fp8, fp8_e4m3, fp8_e5m2.")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
 
 
 # ---- the model's shape on one rank -----------------------------------------------------------------
