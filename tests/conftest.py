@@ -70,6 +70,11 @@ def _tiny_config(arch: str):
             attn_implementation="eager")
     if arch == "phi3":  # Phi-4-mini's partial rotary, Phi-3-mini's window
         return transformers.Phi3Config(**common, sliding_window=WINDOW, partial_rotary_factor=0.5, pad_token_id=0)
+    if arch == "granite":
+        return transformers.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.3,
+                                          attention_multiplier=0.09, logits_scaling=4.0)
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**{**common, "num_hidden_layers": 3})
     raise ValueError(arch)
 
 

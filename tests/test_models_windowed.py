@@ -1,4 +1,4 @@
-"""Windowed attention and the Gemma / Phi-3 families: greedy tokens identical to HF transformers (fp32) on
+"""Windowed attention and the Gemma / Phi-3 / Granite / OLMo 2 families: greedy tokens identical to HF transformers (fp32) on
 tiny random models built with HF's own classes, over prompts longer than the window (tests/conftest.py:
 WINDOW), with chunked prefill, prefix hits and preemption."""
 
@@ -13,7 +13,7 @@ from tests.conftest import WINDOW, hf_greedy, random_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3"]
+ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "granite", "olmo2"]
 
 
 def _generate(path, prompts, **kwargs) -> tuple[list[list[int]], object]:
@@ -37,7 +37,7 @@ def model(request, tiny_model_factory):
 
 def test_matches_hf(model):
     path, prompts, expected = model
-    assert min(len(p) for p in prompts) > WINDOW
+    assert min(len(p) for p in prompts) > WINDOW  # (Granite and OLMo 2 have no window: full attention)
     tokens, _ = _generate(path, prompts, enable_prefix_caching=False)
     assert tokens == expected
 
@@ -77,3 +77,21 @@ def test_interleaved_model_keeps_every_block(tiny_model_factory):
     path, _ = tiny_model_factory("gemma2")
     llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.kv_cache_manager.sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
+def test_tensor_parallel_matches_single_process(tiny_model_factory, arch):
+    """TP=2 (gloo, a process per rank): Gemma 2's soft-capped interleaved layers, Phi-3's fused
+    projections cut per rank with its window freeing blocks, and OLMo 2's q/k norm over the projection
+    split across ranks give the TP=1 and HF tokens."""
+    path, hf_model = tiny_model_factory(arch)
+    prompts = random_prompts(3, WINDOW + 10, 3 * WINDOW, seed=5)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    single, _ = _generate(path, prompts)
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2,
+              max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == single == expected

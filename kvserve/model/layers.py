@@ -322,6 +322,34 @@ class GemmaRMSNorm(RMSNorm):
         return out if residual is None else (out, residual)
 
 
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection (OLMo 2), whose features are split over the TP ranks by heads:
+    each rank holds `local_dim` features (its heads, shard `shard_index` of the checkpoint's weight) and the
+    mean square is summed over ranks. A KV head replicated on r ranks is counted r times over r times as
+    many features, so sum / (local_dim * tp) is the mean either way. fp32, weight applied before rounding."""
+
+    def __init__(self, local_dim: int, shard_index: int, eps: float):
+        super().__init__()
+        from kvserve.distributed.parallel_state import get_tp_size
+
+        self.eps, self.local_dim, self.shard_index = eps, local_dim, shard_index
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.ones(local_dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sum_sq = xf.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            from kvserve.distributed.parallel_state import tensor_parallel_all_reduce
+
+            sum_sq = tensor_parallel_all_reduce(sum_sq)
+        mean_sq = sum_sq / (self.local_dim * self.tp_size)
+        return (self.weight.float() * (xf * torch.rsqrt(mean_sq + self.eps))).to(x.dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _copy_into(param.data, loaded.narrow(0, self.shard_index * self.local_dim, self.local_dim), "weight")
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
     low = scaling.get("low_freq_factor", 1.0)

@@ -42,7 +42,7 @@ class Attention(nn.Module):
                  prefix: str = "", layer_idx: int = 0, norm_cls: type = RMSNorm):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
@@ -60,6 +60,7 @@ class Attention(nn.Module):
             self.k_norm = norm_cls(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.norm_whole_projection = False  # q/k norm per head (Qwen3, Gemma 3), or over the projection
         self.rotary = rotary
         self.backend = backend
         # FP8 KV cache: K/V are stored as k / k_scale in e4m3. From the checkpoint when it has them, else 1.0,
@@ -74,7 +75,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_whole_projection:  # OLMo 2: over all heads at once
+            q, k = self.q_norm(q.reshape(-1, self.q_size)), self.k_norm(k.reshape(-1, self.kv_size))
+            q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.calculate_kv_scales:
@@ -215,6 +219,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap

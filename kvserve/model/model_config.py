@@ -39,6 +39,12 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: the rope base of the windowed layers (no scaling there)
     partial_rotary_factor: float = 1.0  # Phi-4-mini: rotary on the first head_dim * factor dims only
     hidden_act: str = "silu"  # the gate activation (Gemma: gelu_pytorch_tanh)
+    # Granite: embeddings * embedding_multiplier, sublayer outputs * residual_multiplier before the residual
+    # add, softmax scale attention_multiplier, logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def rotary_dim(self) -> int:
@@ -163,6 +169,10 @@ def _family_fields(arch: str, cfg: dict) -> dict:
         fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
         fields["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
         fields["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
+    if arch == "GraniteForCausalLM":
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            if cfg.get(name) is not None:
+                fields[name] = float(cfg[name])
     if arch == "Gemma3ForCausalLM":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
         fields["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)

@@ -27,6 +27,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
         Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
         Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
+        Architecture("GraniteForCausalLM", "granite", "kvserve.model.granite:GraniteForCausalLM"),
+        Architecture("Olmo2ForCausalLM", "olmo2", "kvserve.model.olmo2:Olmo2ForCausalLM"),
     )
 }
 _BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
