@@ -188,16 +188,13 @@ class EngineConfig:
             device = "cuda" if _cuda_available() else "cpu"
         dtype = _resolve_dtype(args.dtype, model_config.torch_dtype, device)
 
+        # Windowed layers attend to their window at any length: the limit is the model's positions.
         model_max = model_config.max_position_embeddings
-        if model_config.sliding_window:
-            # Sliding-window attention is not implemented: stay inside the window, where it is exact.
-            model_max = min(model_max, model_config.sliding_window)
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "
-                f"({model_max}: max_position_embeddings, or the sliding window, which kvserve does not "
-                f"implement yet). Use --max-model-len {model_max} or less."
+                f"({model_max}: max_position_embeddings). Use --max-model-len {model_max} or less."
             )
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens

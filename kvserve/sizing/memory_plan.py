@@ -240,8 +240,21 @@ def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, b
     return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
-    return num_blocks * block_size / max_model_len
+def request_kv_tokens(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> int:
+    """The most KV tokens (whole blocks) one request holds at once: all of max_model_len, or, when every
+    layer has a sliding window (the KV cache frees blocks behind it), its window plus one step's chunk
+    plus a partly filled block at each end."""
+    full = cdiv(max_model_len, block_size) * block_size
+    if sliding_window is None:
+        return full
+    chunk = min(max_num_batched_tokens or max_model_len, max_model_len)
+    return min(full, (cdiv(sliding_window - 1 + chunk, block_size) + 1) * block_size)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None) -> float:
+    """Requests of max_model_len tokens the cache holds at once (decoding: a windowed one holds its window)."""
+    return num_blocks * block_size / request_kv_tokens(max_model_len, block_size, sliding_window, 1)
 
 
 # ---- checkpoint sizes (exact, from headers only) -----------------------------------------------------
@@ -343,7 +356,8 @@ class MemoryPlan:
 
     @property
     def max_concurrency(self) -> float:
-        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len)
+        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len,
+                               getattr(self.inputs.model_config, "kv_cache_window", None))
 
     @property
     def weights_fit(self) -> bool:
@@ -351,7 +365,10 @@ class MemoryPlan:
 
     @property
     def length_fits(self) -> bool:
-        return self.kv_tokens >= self.inputs.max_model_len
+        p = self.inputs
+        return self.kv_tokens >= request_kv_tokens(p.max_model_len, p.block_size,
+                                                   getattr(p.model_config, "kv_cache_window", None),
+                                                   p.max_num_batched_tokens)
 
     def to_dict(self) -> dict:
         return {
