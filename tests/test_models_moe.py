@@ -219,7 +219,7 @@ def test_memory_plan_counts_each_ranks_moe_weights(moe_model, monkeypatch, arch,
     """The plan's per-rank weight bytes equal the parameters the model builds on that rank."""
     from kvserve.distributed import parallel_state
     from kvserve.model.registry import model_class
-    from kvserve.worker import memory_plan
+    from kvserve.sizing import memory_plan
 
     cfg = ModelConfig.from_path(moe_model(arch)[0])
     monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(

@@ -29,9 +29,8 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker import memory
-from kvserve.worker.runner_output import PendingOutput
-from kvserve.worker.sampling_metadata import sampling_inputs_valid
+from kvserve.spec_decode.proposer import Proposer, accepts_drafts
+from kvserve.units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     sched_out: SchedulerOutput
     scheduled_time: float
-    pending: PendingOutput
+    pending: object  # the executor's launched step: result() -> RunnerOutput
 
 
 @dataclass
@@ -80,7 +79,8 @@ class LLMEngine:
             logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"),
+                                               sliding_window=config.model_config.kv_cache_window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -97,10 +97,9 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
-        self.output_processor = OutputProcessor(
-            self.tokenizer, config.model_config.vocab_size,
-            finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
+        # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
+        self.proposer: Proposer | None = None
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
@@ -120,7 +119,7 @@ class LLMEngine:
         args = self.config.args
         bytes_per_block = self.executor.kv_bytes_per_block
         mode = getattr(args, "preemption_mode", "recompute")
-        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        num_cpu_blocks = int(args.swap_space * GiB) // bytes_per_block if mode != "recompute" else 0
         if mode != "recompute" and num_cpu_blocks == 0:
             logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
                            bytes_per_block)
@@ -150,7 +149,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    group: str | None = None) -> str:
+        """`group`: the API request this prompt came from (several prompts share one); admission takes turns
+        across groups. Default: the request's own."""
         arrival = time.time()
         params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -174,7 +176,7 @@ class LLMEngine:
         first_id = samples[0][0]
         requests = [
             Request(sample_id, token_ids, sample_params, eos_token_id=self.eos_token_id,
-                    prefix_source_id=None if sample_id == first_id else first_id)
+                    prefix_source_id=None if sample_id == first_id else first_id, group_id=group or request_id)
             for sample_id, sample_params in samples
         ]
         added = []
@@ -243,7 +245,7 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self._in_flight is not None and self._needs_history:
+        if self._in_flight is not None and (self._needs_history or self.proposer is not None):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self.scheduler.schedule()
@@ -253,7 +255,7 @@ class LLMEngine:
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         if not sched_out.is_empty:
-            memory.maybe_inject_oom("step")
+            self.executor.maybe_inject_step_oom()
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -274,7 +276,7 @@ class LLMEngine:
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
-        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s, vocab)}
+        culprits = self.executor.invalid_sampling_requests([s.request for s in scheduled], vocab)
         if not culprits:
             culprits = {s.request_id for s in scheduled}
         parents = {self.output_processor.samples[c].parent.request_id for c in culprits
@@ -335,8 +337,26 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
-        touched = self.scheduler.update(step.sched_out, result.sampled)
-        return self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        touched = self.scheduler.update(step.sched_out, dict(zip(result.req_ids, result.sampled_token_ids)))
+        stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        if stops:
+            self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
+        outputs = self.output_processor.make_outputs()
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
+        proposer needs each step's tokens before the next step is scheduled."""
+        self.proposer = proposer
+
+    def _propose(self) -> None:
+        running = [r for r in self.scheduler.running if accepts_drafts(r.sampling_params)]
+        if running:
+            drafts = self.proposer.propose(running)
+            if drafts:
+                self.scheduler.update_draft_token_ids(drafts)
 
     def get_stats(self) -> EngineStats:
         pc = self.kv_cache_manager.prefix_cache_stats

@@ -9,8 +9,8 @@ import dataclasses
 import json
 import sys
 
-from kvserve.worker import memory_plan
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing import memory_plan
+from kvserve.sizing.memory_plan import GiB
 
 # Memory as torch.cuda.mem_get_info reports it (a little under the marketing number).
 KNOWN_GPUS: dict[str, float] = {

@@ -121,7 +121,8 @@ IGNORED: dict[str, str] = {
     "--disable-fastapi-docs": _HTTP,
     "--disable-hybrid-kv-cache-manager": "kvserve has one KV cache manager for every layer",
     "--disable-nccl-for-dp-synchronization": _DP,
-    "--disable-sliding-window": "kvserve already caps --max-model-len at a model's sliding window",
+    "--disable-sliding-window": ("kvserve runs windowed layers with their window at every length; prompts "
+                                 "within the window get the same tokens either way"),
     "--disable-uvicorn-access-log": _HTTP,
     "--distributed-timeout-seconds": "kvserve runs one process group on one machine",
     "--dp-supervisor-probe-failure-threshold": _DP,

@@ -28,6 +28,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "kvserve.model.llama_moe:Qwen2MoeForCausalLM"),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "kvserve.model.llama_moe:Qwen3MoeForCausalLM"),
         Architecture("MixtralForCausalLM", "mixtral", "kvserve.model.llama_moe:MixtralForCausalLM"),
+        Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
+        Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
+        Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
+        Architecture("GraniteForCausalLM", "granite", "kvserve.model.granite:GraniteForCausalLM"),
+        Architecture("Olmo2ForCausalLM", "olmo2", "kvserve.model.olmo2:Olmo2ForCausalLM"),
     )
 }
 # Architectures people ask for that are not built yet: what each one lacks, for the refusal.

@@ -13,8 +13,8 @@ import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-GiB = 1 << 30
-MiB = 1 << 20
+from kvserve.units import GiB, MiB, cdiv  # noqa: F401 - re-exported: plan and memory read them from here
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 # What a CUDA context and the libraries outside torch's allocator take on a GPU before the engine loads
 # anything; a plan counts it as "held by others" (the engine measures it).
@@ -22,7 +22,8 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 GRAPH_POOL_MARGIN_BYTES = 64 * MiB
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype values the engine implements (fp8 is stored as e4m3), checked by EngineArgs and here.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
 
@@ -31,15 +32,9 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str | None, model_dtype: str) -> int:
     """'auto' stores K/V in the model's dtype; 'fp8' in one byte."""
     if kv_cache_dtype in (None, "auto"):
         return DTYPE_BYTES[model_dtype]
-    if kv_cache_dtype in _FP8_KV_DTYPES:
+    if kv_cache_dtype in KV_CACHE_DTYPES:
         return 1
-    if kv_cache_dtype in DTYPE_BYTES:
-        return DTYPE_BYTES[kv_cache_dtype]
-    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, fp8, fp8_e4m3, fp8_e5m2.")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
 
 
 # ---- the model's shape on one rank -----------------------------------------------------------------
@@ -245,8 +240,21 @@ def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, b
     return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
-    return num_blocks * block_size / max_model_len
+def request_kv_tokens(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> int:
+    """The most KV tokens (whole blocks) one request holds at once: all of max_model_len, or, when every
+    layer has a sliding window (the KV cache frees blocks behind it), its window plus one step's chunk
+    plus a partly filled block at each end."""
+    full = cdiv(max_model_len, block_size) * block_size
+    if sliding_window is None:
+        return full
+    chunk = min(max_num_batched_tokens or max_model_len, max_model_len)
+    return min(full, (cdiv(sliding_window - 1 + chunk, block_size) + 1) * block_size)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None) -> float:
+    """Requests of max_model_len tokens the cache holds at once (decoding: a windowed one holds its window)."""
+    return num_blocks * block_size / request_kv_tokens(max_model_len, block_size, sliding_window, 1)
 
 
 # ---- checkpoint sizes (exact, from headers only) -----------------------------------------------------
@@ -348,7 +356,8 @@ class MemoryPlan:
 
     @property
     def max_concurrency(self) -> float:
-        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len)
+        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len,
+                               getattr(self.inputs.model_config, "kv_cache_window", None))
 
     @property
     def weights_fit(self) -> bool:
@@ -356,7 +365,10 @@ class MemoryPlan:
 
     @property
     def length_fits(self) -> bool:
-        return self.kv_tokens >= self.inputs.max_model_len
+        p = self.inputs
+        return self.kv_tokens >= request_kv_tokens(p.max_model_len, p.block_size,
+                                                   getattr(p.model_config, "kv_cache_window", None),
+                                                   p.max_num_batched_tokens)
 
     def to_dict(self) -> dict:
         return {
