@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.entrypoints.openai.errors import APIError
-
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 2048  # prompts x n
 DEFAULT_MAX_WAITING_REQUESTS = 4096  # sequences queued beyond --max-num-seqs
@@ -29,11 +27,14 @@ class AdmissionLimits:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
 
-    def check_fan_out(self, num_prompts: int, n: int) -> None:
+    def check_fan_out(self, num_prompts: int, n: int, max_n: int) -> None:
+        """An n over --max-n is left to SamplingParams, which owns that limit and says so."""
+        from kvserve.entrypoints.openai.errors import APIError  # here: the CLI parser imports this module
+
         if num_prompts > self.max_prompts_per_request:
             raise APIError(f"prompt holds {num_prompts} prompts; at most {self.max_prompts_per_request} are allowed "
                            f"per request (--max-prompts-per-request). Split it into several requests.", 400, "prompt")
-        if num_prompts * n > self.max_sequences_per_request:
+        if n <= max_n and num_prompts * n > self.max_sequences_per_request:
             raise APIError(f"n: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; at most "
                            f"{self.max_sequences_per_request} are allowed per request (--max-sequences-per-request). "
                            f"Lower n or split the prompts over several requests.", 400, "n")
@@ -41,6 +42,8 @@ class AdmissionLimits:
 
 def check_request_id(request_id: str | None) -> None:
     """A client-chosen id is echoed in every chunk and in the logs: short and printable only."""
+    from kvserve.entrypoints.openai.errors import APIError
+
     if request_id is None:
         return
     if len(request_id) > MAX_REQUEST_ID_CHARS:

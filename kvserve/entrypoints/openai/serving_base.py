@@ -148,7 +148,7 @@ class ServingBase:
         except ValueError as e:
             raise APIError(str(e), 400, _param_of(str(e))) from None
         check_request_id(req.request_id)
-        self.admission.check_fan_out(req.num_prompts, req.n)
+        self.admission.check_fan_out(req.num_prompts, req.n, self.engine.config.args.max_n)
         check_fields(req)
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
