@@ -11,6 +11,16 @@ import torch
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer's vocabulary, so every tiny model can share it
 
 
+def pytest_collection_modifyitems(config, items):
+    """The gpu tier (`pytest -m gpu`) runs only where CUDA is; CI never needs it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu tier: needs CUDA (run `pytest -m gpu tests` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def _tiny_config(arch: str):
     import transformers
 

@@ -64,7 +64,7 @@ def test_llm_generate_applies_the_engine_limits(llama):
 
 def _run_core(engine, requests, after_add=None):
     """Runs EngineCore until every request has finished or failed; returns ({id: tokens}, failed ids)."""
-    pending = [("add", rid, prompt, params) for rid, prompt, params in requests]
+    pending = [("add", rid, prompt, params, None) for rid, prompt, params in requests]
     tokens: dict[str, list[int]] = {}
     done: set[str] = set()
     failed: set[str] = set()

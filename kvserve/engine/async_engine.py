@@ -52,6 +52,14 @@ class EngineDeadError(EngineFailedError):
     """The engine core (process or thread) is gone: nothing more can be served (vLLM's EngineDeadError)."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted while someone was still reading its stream."""
 
@@ -60,8 +68,9 @@ class RequestStream:
     """One request's outputs on their way from the engine to their consumer (event-loop side only)."""
 
     def __init__(self, request_id: str, kind: RequestOutputKind, arrival: float, prompt: str | None = None,
-                 prompt_token_ids: list[int] | None = None):
+                 prompt_token_ids: list[int] | None = None, num_sequences: int = 1):
         self.request_id = request_id
+        self.num_sequences = num_sequences  # n: the engine runs one sequence per sample
         self.kind = kind
         self.arrival = arrival
         # Outputs from an engine process arrive without these (see ProcessOutbox): they are put back here.
@@ -139,8 +148,12 @@ class AsyncEngine:
     """`use_process=True` (the server's choice) runs the EngineCore in a child process; False runs it on a
     thread of this process (quicker to start; for tests and embedding)."""
 
-    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True):
+    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True,
+                 max_waiting_sequences: int | None = None):
+        """`max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a batch
+        that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
         self.args = args
+        self.max_waiting_sequences = max_waiting_sequences
         self.metrics = metrics
         self.use_process = use_process
         self.config = None  # EngineConfig, once loaded
@@ -188,6 +201,23 @@ class AsyncEngine:
     @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine holds for this side's live streams, running or waiting."""
+        return sum(s.num_sequences for s in self._streams.values())
+
+    def _check_queue_room(self, num_new: int) -> None:
+        """The one bound on waiting work: whatever the engine cannot run at once must fit the waiting queue."""
+        limit = self.max_waiting_sequences
+        if limit is None:
+            return
+        waiting_after = self.num_sequences + num_new - self.args.max_num_seqs
+        if waiting_after > limit:
+            raise EngineOverloadedError(
+                f"The server is busy: {self.num_sequences} sequences are running or queued and this request adds "
+                f"{num_new}, more than --max-num-seqs {self.args.max_num_seqs} running plus "
+                f"--max-waiting-requests {limit} waiting. Retry later.")
 
     def abort_all(self, reason: str) -> None:
         """Ends every request now: each stream's reader gets EngineNotReadyError(reason) (a 503)."""
@@ -248,13 +278,15 @@ class AsyncEngine:
         for rid in ids:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
+        self._check_queue_room(sum(params.n for _, _, params in items))
         streams, commands = [], []
+        group = ids[0]  # the batch is one API request: its sequences take one turn in admission
         for rid, (_, prompt, params) in zip(ids, items):
             # Tokenized here, not on the engine thread, so a long prompt never delays a step.
             text, token_ids = parse_prompt(prompt, self.tokenizer)
-            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids)
+            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids, params.n)
             streams.append(stream)
-            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params, group))
         for stream in streams:
             self._streams[stream.request_id] = stream
         for command in commands:

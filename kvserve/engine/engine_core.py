@@ -26,7 +26,7 @@ from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params) | ("abort", id) | ("stop",)
+# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params, group) | ("abort", id) | ("stop",)
 STOP = ("stop",)
 
 
@@ -56,9 +56,9 @@ class EngineCore:
             for cmd in take_commands(not engine.has_unfinished_requests()):
                 kind = cmd[0]
                 if kind == "add":
-                    _, rid, prompt, params = cmd
+                    _, rid, prompt, params, group = cmd
                     try:
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, prompt, params, group)
                         self.live.add(rid)
                         accepted.append((rid, None))
                     except Exception as e:  # noqa: BLE001 - a bad request is the caller's error, not ours

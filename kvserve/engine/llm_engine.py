@@ -148,7 +148,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    group: str | None = None) -> str:
+        """`group`: the API request this prompt came from (several prompts share one); admission takes turns
+        across groups. Default: the request's own."""
         arrival = time.time()
         params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -167,7 +170,7 @@ class LLMEngine:
         first_id = samples[0][0]
         requests = [
             Request(sample_id, token_ids, sample_params, eos_token_id=self.eos_token_id,
-                    prefix_source_id=None if sample_id == first_id else first_id)
+                    prefix_source_id=None if sample_id == first_id else first_id, group_id=group or request_id)
             for sample_id, sample_params in samples
         ]
         added = []

@@ -283,12 +283,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm pattern."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, consumer: nn.Module | None = None):
+        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm pattern. `consumer`:
+        the linear layer that reads the output; an FP8 one may get it quantized here (an Fp8Activation)."""
         if use_fused_kernels(x):
-            from kvserve.ops.fused_kernels import rms_norm
+            from kvserve.ops import fused_kernels
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            if consumer is not None:
+                from kvserve.model.quantization.fp8 import fused_input_quant
+
+                quantize, static_scale = fused_input_quant(consumer, x.numel() // x.shape[-1])
+                if quantize:
+                    return fused_kernels.rms_norm_fp8(x, self.weight, self.eps, residual, static_scale)
+            return fused_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

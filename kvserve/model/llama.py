@@ -98,9 +98,13 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if use_fused_kernels(gate_up):
-            from kvserve.ops.fused_kernels import silu_and_mul
+            from kvserve.model.quantization.fp8 import fused_input_quant
+            from kvserve.ops import fused_kernels
 
-            return self.down_proj(silu_and_mul(gate_up))
+            quantize, static_scale = fused_input_quant(self.down_proj, gate_up.shape[0])
+            if quantize:  # an FP8 down_proj: SiLU*mul quantizes its output for it
+                return self.down_proj(fused_kernels.silu_and_mul_fp8(gate_up, static_scale))
+            return self.down_proj(fused_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
 
@@ -115,13 +119,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        # Each norm is told which linear reads its output (an FP8 one takes it quantized in the same kernel).
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, consumer=self.self_attn.qkv_proj)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, consumer=self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
 

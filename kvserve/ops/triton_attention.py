@@ -330,6 +330,12 @@ class TritonAttentionBackend:
     # Launch configurations: (BLOCK_M rows, TILE_N keys per inner step, num_warps, num_stages).
     # BLOCK_M is raised to the GQA group size where that is larger.
     PREFILL_CONFIG = (64, 32, 4, 2)  # unified kernel, batches with a query longer than 1
+    # Steps with a query of at least LONG_PREFILL_MIN_QUERY tokens (long prompts: W2, TTFT at 8k), where the
+    # attention's FLOPs grow with the square of the prompt: bigger tiles (32 tokens x a GQA group of 4 rows,
+    # 64 keys a step, two warpgroups) do twice the tensor-core work per K/V tile read. A first choice by
+    # reasoning, to be placed by benchmarks/ab_kernels.py's prefill sweep on the GPU.
+    LONG_PREFILL_CONFIG = (128, 64, 8, 2)
+    LONG_PREFILL_MIN_QUERY = 4096
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
     # Split-KV: each split gets at least this many keys, and at most this many splits.
@@ -362,6 +368,12 @@ class TritonAttentionBackend:
             return 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
+
+    def launch_config(self, max_query_len: int) -> tuple[int, int, int, int]:
+        """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query."""
+        if max_query_len == 1:
+            return self.DECODE_CONFIG
+        return self.LONG_PREFILL_CONFIG if max_query_len >= self.LONG_PREFILL_MIN_QUERY else self.PREFILL_CONFIG
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
                 ) -> torch.Tensor:
@@ -415,7 +427,7 @@ class TritonAttentionBackend:
             )
             return out
 
-        cfg = self.DECODE_CONFIG if meta.max_query_len == 1 else self.PREFILL_CONFIG
+        cfg = self.launch_config(meta.max_query_len)
         block_m, tile_n, warps, stages = cfg
         block_m = max(block_m, _next_pow2(g))
         block_q = block_m // g

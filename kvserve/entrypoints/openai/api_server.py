@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -27,15 +27,12 @@ import kvserve
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.admission import AdmissionLimits
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.cli_args import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from kvserve.entrypoints.openai.http_limits import (
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    BodyLimitMiddleware,
-    header_timeout_protocol,
-)
+from kvserve.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,6 +66,7 @@ class ServerSettings:
     chat_template_timeout: float = DEFAULT_TIMEOUT_S
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
 
 @dataclass
@@ -145,9 +143,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(_GateMiddleware, state=state)  # added last: runs first
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
-                       timeout_s=settings.chat_template_timeout)
+                       timeout_s=settings.chat_template_timeout, admission=settings.admission)
     state.on_ready = chat.start_renderer
-    completion = ServingCompletion(engine, settings.served_model_name)
+    completion = ServingCompletion(engine, settings.served_model_name, admission=settings.admission)
     add_dashboard_routes(app, engine, metrics, settings.served_model_name)
 
     @app.get("/health")
@@ -304,7 +302,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-               chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> int:
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S, admission: AdmissionLimits | None = None) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
     settings = ServerSettings(
         served_model_name=config.served_model_name,
@@ -319,9 +317,11 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         chat_template_timeout=chat_template_timeout,
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
+        admission=admission or AdmissionLimits(),
     )
     metrics = EngineMetrics(settings.served_model_name)
-    state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)
+    engine = AsyncEngine(engine_args, metrics, max_waiting_sequences=settings.admission.max_waiting_requests)
+    state = ServerState(engine=engine, metrics=metrics, settings=settings)
     app = build_app(state)
     # The drain (above) already waited for the requests; uvicorn's own wait only flushes their last bytes.
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,

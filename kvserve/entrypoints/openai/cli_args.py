@@ -9,9 +9,19 @@ from __future__ import annotations
 import argparse
 
 from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+from kvserve.entrypoints.openai.admission import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    AdmissionLimits,
+)
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
-from kvserve.entrypoints.openai.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.entrypoints.vllm_flags import add_vllm_flags
+
+# The HTTP limits' defaults live with their flags: building this parser (every `kvserve` command does) must
+# not import the server's dependencies (uvicorn, fastapi), which a machine that only runs the library may lack.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -44,6 +54,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="Seconds a client has to send a request's headers before its connection is closed, and "
                         f"the longest pause allowed within a request body (408) (default: {DEFAULT_HEADER_TIMEOUT_S:g}).")
+    g.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="Most prompts one /v1/completions request may list; more get 400 "
+                        f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST}).")
+    g.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="Most sequences (prompts x n) one request may start; more get 400 "
+                        f"(default: {DEFAULT_MAX_SEQUENCES_PER_REQUEST}).")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="Most sequences that may wait beyond the --max-num-seqs running ones; a request that would "
+                        f"queue more gets 429 with Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS}).")
     g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="Seconds one chat template render may take before it is stopped and the request "
                         f"gets 400 (default: {DEFAULT_TIMEOUT_S:g}).")
@@ -75,4 +94,5 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         enable_log_requests=ns.enable_log_requests, shutdown_timeout=ns.shutdown_timeout,
         trust_request_chat_template=ns.trust_request_chat_template, max_request_body_bytes=ns.max_request_body_bytes,
         header_timeout=ns.header_timeout, chat_template_timeout=ns.chat_template_timeout,
+        admission=AdmissionLimits(ns.max_prompts_per_request, ns.max_sequences_per_request, ns.max_waiting_requests),
     )

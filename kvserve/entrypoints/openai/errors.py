@@ -21,17 +21,20 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -39,8 +42,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def sse_error(message: str, status: int) -> str:
@@ -67,7 +71,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

@@ -8,10 +8,8 @@ import asyncio
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvserve.entrypoints.openai.cli_args import DEFAULT_HEADER_TIMEOUT_S
 from kvserve.entrypoints.openai.errors import error_response
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
-DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 

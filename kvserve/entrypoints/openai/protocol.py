@@ -144,6 +144,11 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+
     def check(self) -> None:
         self.check_common()
         if self.suffix:
@@ -188,6 +193,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("response_format other than text (structured output) is not supported yet.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError
+from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError, EngineOverloadedError
+from kvserve.entrypoints.openai.admission import AdmissionLimits, check_request_id
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.sampling_params import SamplingParams
 
@@ -26,8 +27,9 @@ _TEXT_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-token
 
 class ServingBase:
     def __init__(self, engine: AsyncEngine, served_model_name: str, response_role: str = "assistant",
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, admission: AdmissionLimits | None = None):
         self.engine = engine
+        self.admission = admission or AdmissionLimits()
         self.served_model_name = served_model_name
         self.response_role = response_role
         self.chat_template = chat_template
@@ -74,12 +76,15 @@ class ServingBase:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def check_request(self, req) -> None:
-        """The model exists (404) and the body's cross-field rules hold (400)."""
+        """The model exists (404), the body's cross-field rules hold and its fan-out is within the admission
+        limits (400); all before any prompt is tokenized."""
         self.check_model(req.model)
         try:
             req.check()
         except ValueError as e:
             raise APIError(str(e), 400, _param_of(str(e))) from None
+        check_request_id(req.request_id)
+        self.admission.check_fan_out(req.num_prompts, req.n)
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -157,6 +162,8 @@ class ServingBase:
             return await until_disconnect(raw, work, lambda: None)  # add_requests aborts on cancellation
         except ValueError as e:
             raise APIError(str(e), 400) from None
+        except EngineOverloadedError as e:
+            raise APIError(str(e), 429, headers={"Retry-After": str(e.retry_after_s)}) from None
         except (EngineNotReadyError, EngineFailedError) as e:
             raise engine_error(e) from None
 
