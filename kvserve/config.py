@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model.model_config import ModelConfig
 from kvserve.sizing.memory_plan import KV_CACHE_DTYPES
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -188,9 +191,13 @@ class EngineConfig:
         dtype = _resolve_dtype(args.dtype, model_config.torch_dtype, device)
 
         model_max = model_config.max_position_embeddings
-        if model_config.sliding_window:
+        if model_config.sliding_window and model_config.sliding_window < model_max:
             # Sliding-window attention is not implemented: stay inside the window, where it is exact.
-            model_max = min(model_max, model_config.sliding_window)
+            model_max = model_config.sliding_window
+            if not args.max_model_len:
+                logger.warning("The model attends within a sliding window of %d tokens, which kvserve does not "
+                               "implement yet: max_model_len is %d (not max_position_embeddings %d), where full "
+                               "attention is exact.", model_max, model_max, model_config.max_position_embeddings)
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(
