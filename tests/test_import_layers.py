@@ -33,11 +33,7 @@ LAYERS = {
     "entrypoints": 7, "bench": 7,
 }
 # Known exceptions, each with its reason (to be removed, not added to).
-ALLOWED = {
-    # The oneDNN packing walks the model's layer classes; the kernel itself (PackedLinearWeight) is ops'.
-    ("kvserve.ops.cpu_gemm", "kvserve.model.layers"),
-    ("kvserve.ops.cpu_gemm", "kvserve.model.linear_method"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 ROOT = Path(kvserve.__file__).parent
 
 

@@ -165,12 +165,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(
-                f"The prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len} "
-                f"(max_model_len). Shorten the prompt or raise --max-model-len."
-            )
+        self.scheduler.check_fits(len(token_ids))  # the prompt-length limits, checked in one place
         self._resolve_params(params)
         samples = self._fan_out(request_id, params)
         first_id = samples[0][0]

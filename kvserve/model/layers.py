@@ -283,6 +283,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     and then need a broadcast of the sampled ids back to the others, one more collective per step on the
     critical path."""
 
+    packs_for_cpu_gemm = True  # ops/cpu_gemm.py packs its weight for compute_logits on the CPU
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         from kvserve.distributed.parallel_state import tensor_parallel_all_gather
 

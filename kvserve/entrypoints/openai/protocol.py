@@ -204,11 +204,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
+        # As vLLM: -1 asks for the whole vocabulary (SamplingParams then needs --max-logprobs -1); a count
+        # that returns alternatives needs logprobs: true. (Completions' `logprobs` has no -1, as in vLLM.)
         if self.top_logprobs is not None:
-            if not self.logprobs:
+            if self.top_logprobs < -1:
+                raise ValueError(f"top_logprobs must be a non-negative integer or -1, got {self.top_logprobs}.")
+            if self.top_logprobs != 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
-            if self.top_logprobs < 0:
-                raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
         # tools themselves (and response_format) are answered by request_fields.NOT_SUPPORTED_YET
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError(f"tool_choice {str(self.tool_choice)[:60]} needs tools: send the tools the "

@@ -429,10 +429,11 @@ def chat_logprobs(token_ids: list[int], positions: list, num_top: int, tokenizer
     for tid, entries in zip(token_ids, positions):
         chosen = entries.get(tid) if entries else None
         token = _token_text(tokenizer, tid, chosen)
+        limit = len(entries or ()) if num_top == -1 else num_top  # -1: the whole vocabulary
         alternatives = sorted(
-            (e.rank, t, e) for t, e in (entries or {}).items() if e.rank is not None and 1 <= e.rank <= num_top)
+            (e.rank, t, e) for t, e in (entries or {}).items() if e.rank is not None and 1 <= e.rank <= limit)
         top = []
-        for _, t, e in alternatives[:num_top]:
+        for _, t, e in alternatives[:limit]:
             text = _token_text(tokenizer, t, e)
             top.append({"token": text, "logprob": _clamp(e.logprob), "bytes": list(text.encode("utf-8", "replace"))})
         content.append({
