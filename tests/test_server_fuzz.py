@@ -28,13 +28,15 @@ BATCH = 50  # requests per hypothesis example, sent at once
 NUM_REQUESTS = int(os.environ.get("KVSERVE_FUZZ_REQUESTS", "1000"))
 REQUEST_TIMEOUT_S = 120.0  # a request this slow counts as a hang
 TALLY: collections.Counter = collections.Counter()
+MAX_PROMPTS, MAX_SEQUENCES = 8, 16  # small admission caps, so bodies cross them often
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     srv = RemoteServer(path, "--served-model-name", "tiny", "--disable-log-stats", "--max-model-len", "256",
-                       "--max-request-body-bytes", "200000")
+                       "--max-request-body-bytes", "200000", "--max-prompts-per-request", str(MAX_PROMPTS),
+                       "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-waiting-requests", "64")
     yield srv
     srv.stop()
 
@@ -99,11 +101,25 @@ HOSTILE_ONLY = {"chat_template": any_text, "chat_template_kwargs": hostile, "res
                 "cache_salt": any_text, "prompt_embeds": hostile, "truncation_side": any_text,
                 "kv_transfer_params": hostile, "vllm_xargs": hostile, "max_tokenz": hostile}
 
+# Just past the admission limits (the sampling_params.MAX_LIST_LENGTHS caps, request_id's, prompts x n).
+over_cap = st.integers(1, 40)
+OVER_CAPS = {
+    "stop": over_cap.map(lambda k: ["s"] * (256 + k)),
+    "stop_token_ids": over_cap.map(lambda k: [1] * (4096 + k)),
+    "bad_words": over_cap.map(lambda k: ["w"] * (4096 + k)),
+    "allowed_token_ids": over_cap.map(lambda k: [1] * (262144 + k)),
+    "request_id": st.one_of(over_cap.map(lambda k: "r" * (256 + k)), st.sampled_from(["a\\nb", "a\\rb", "\\x00"])),
+    "n": st.integers(MAX_SEQUENCES + 1, 4 * MAX_SEQUENCES),
+}
+
 
 def bodies(required: dict, optional: dict):
     plausible = st.fixed_dictionaries(required, optional=optional)
     names = sorted({*required, *optional, *HOSTILE_ONLY})
-    one_bad = st.tuples(plausible, st.sampled_from(names), hostile).map(lambda t: {**t[0], t[1]: t[2]})
+    one_bad = st.one_of(
+        st.tuples(plausible, st.sampled_from(names), hostile).map(lambda t: {**t[0], t[1]: t[2]}),
+        st.tuples(plausible, st.sampled_from(sorted(OVER_CAPS)).flatmap(lambda k: st.tuples(st.just(k), OVER_CAPS[k])))
+        .map(lambda t: {**t[0], t[1][0]: t[1][1]}))
     anything = st.fixed_dictionaries({k: st.one_of(v, hostile) for k, v in required.items()},
                                      optional={k: st.one_of(v, hostile) for k, v in {**optional, **HOSTILE_ONLY}.items()})
     return st.one_of(plausible, one_bad, anything)
@@ -111,7 +127,8 @@ def bodies(required: dict, optional: dict):
 
 max_tokens = st.integers(1, 4)
 completion_body = bodies({"prompt": st.one_of(clean_text, st.lists(clean_text, min_size=1, max_size=3), token_ids,
-                                              st.lists(token_ids, min_size=1, max_size=3)),
+                                              st.lists(token_ids, min_size=1, max_size=3),
+                                              st.lists(token_ids, min_size=MAX_PROMPTS + 1, max_size=MAX_PROMPTS + 4)),
                           "max_tokens": max_tokens}, COMPLETION)
 chat_body = bodies({"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": max_tokens}, CHAT)
 tokenize_body = bodies({"prompt": clean_text}, {"model": st.just("tiny"), "add_special_tokens": st.booleans()})

@@ -35,6 +35,10 @@ class ChatTemplateError(ValueError):
     """The template refused these messages, ran too long, or produced too much (the client's error: 400)."""
 
 
+class ChatTemplateTimeout(ChatTemplateError):
+    """The render ran past the time limit (its worker was killed and replaced)."""
+
+
 def _worker_main(conn, tokenizer_bytes: bytes, max_output_chars: int) -> None:
     from kvserve.child_signals import ignore_group_signals
 
@@ -107,7 +111,8 @@ def _kill(process) -> None:
 
 
 class ChatTemplateRenderer:
-    """`await render(messages, **apply_chat_template_kwargs)` -> the prompt text, or ChatTemplateError."""
+    """`await render(messages, **apply_chat_template_kwargs)` -> the prompt text, or ChatTemplateError;
+    `render_sync` is the same for callers without an event loop (`LLM.chat`)."""
 
     def __init__(self, tokenizer, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS, startup_timeout_s: float = 300.0,
@@ -131,10 +136,10 @@ class ChatTemplateRenderer:
 
     async def render(self, messages: list[dict], **kwargs) -> str:
         loop = asyncio.get_running_loop()
-        status, value = await loop.run_in_executor(self._threads, self._render_blocking, messages, kwargs)
-        if status != "ok":
-            raise ChatTemplateError(value)
-        return value
+        return _text_or_raise(*await loop.run_in_executor(self._threads, self._render_blocking, messages, kwargs))
+
+    def render_sync(self, messages: list[dict], **kwargs) -> str:
+        return _text_or_raise(*self._render_blocking(messages, kwargs))
 
     def _render_blocking(self, messages, kwargs):
         worker = self._idle.get()
@@ -152,7 +157,7 @@ class ChatTemplateRenderer:
                 logger.warning("A chat template render took longer than %.1f s; restarting its worker.",
                                self.timeout_s)
                 worker = self._replace(worker)
-                return ("error", f"rendering the chat template took longer than {self.timeout_s:g} s")
+                return ("timeout", f"rendering the chat template took longer than {self.timeout_s:g} s")
             return reply
         finally:
             self._idle.put(worker)
@@ -169,3 +174,11 @@ class ChatTemplateRenderer:
         for worker in list(self._all):
             worker.kill()
         self._threads.shutdown(wait=False)
+
+
+def _text_or_raise(status: str, value: str) -> str:
+    if status == "timeout":
+        raise ChatTemplateTimeout(value)
+    if status != "ok":
+        raise ChatTemplateError(value)
+    return value
