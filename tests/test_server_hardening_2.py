@@ -151,7 +151,7 @@ def test_2_connections_past_the_cap_get_503_and_are_closed(limited_server):
 
 # ---- 4. deadlines; a frozen engine -----------------------------------------------------------------------
 def test_4_the_openai_client_timeout_is_a_deadline(server):
-    body = {"prompt": "Count", "max_tokens": 1000, "ignore_eos": True, "n": 16, "request_id": "slow\nFORGED"}
+    body = {"prompt": "Count", "max_tokens": 1000, "ignore_eos": True, "n": 16, "request_id": "slow-one"}
     r = _post(server, "/v1/completions", body, headers={"X-Stainless-Read-Timeout": "1"})
     _assert_error(r, 504, fragment="deadline of 1 s")
     assert _wait_for(lambda: _idle(server), 60)  # aborted, not left running
@@ -350,12 +350,11 @@ def test_9_a_non_streaming_disconnect_logs_no_traceback(server):
     assert "CancelledError" not in log and "Traceback" not in log, log[-3000:]
 
 
-def test_9_request_id_newlines_are_escaped_in_the_log(server):
-    body = {"prompt": "Count", "max_tokens": 1000, "ignore_eos": True, "n": 16, "request_id": "rid\nFORGED LINE"}
-    _assert_error(_post(server, "/v1/completions", body, headers={"X-Stainless-Read-Timeout": "1"}), 504)
-    log = _wait_for(lambda: "rid\\nFORGED" in (t := server.log_tail(10**6)) and t, 10)
-    assert log, server.log_tail()
-    assert not any(line.startswith("FORGED") for line in log.splitlines())
+def test_9_request_id_newlines_never_reach_the_log(server):
+    """Refused at admission; a newline in any client text that is logged is escaped (tests/test_log_safety.py)."""
+    body = {"prompt": "Count", "max_tokens": 2, "request_id": "rid\nFORGED LINE"}
+    _assert_error(_post(server, "/v1/completions", body), 400, "request_id")
+    assert not any(line.startswith("FORGED") for line in server.log_tail(10**6).splitlines())
 
 
 def test_9_special_tokens_in_messages_do_not_forge_turns(server, smol_tokenizer):
