@@ -1,8 +1,8 @@
 """The config.json fields kvserve reads, with their types and ranges, checked before any model is built.
 
 A malformed config fails here with the file, the field and the value, not as a KeyError, a TypeError or a
-oneDNN error deep inside torch. A field the model code reads gets one line in FIELDS; a rule between fields
-gets one line in RELATIONS. Torch-free, like the registry, so `kvserve plan` checks configs the same way.
+oneDNN error deep inside torch. A field the model code reads gets one line in FIELDS ("a.b" for a key inside
+an object); a rule between fields gets one line in RELATIONS. Torch-free, like the registry, so `kvserve plan` checks configs the same way.
 """
 
 from __future__ import annotations
@@ -65,10 +65,46 @@ FIELDS: dict[str, tuple[Rule, bool]] = {
     "bos_token_id": (NON_NEGATIVE_INT, OPTIONAL),
     "quantization_config": (OBJECT, OPTIONAL),
 }
+# Rope settings: `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) hold the same keys.
+for _rope in ("rope_scaling", "rope_parameters"):
+    FIELDS.update({
+        f"{_rope}.rope_theta": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.rope_type": (STRING, OPTIONAL),
+        f"{_rope}.type": (STRING, OPTIONAL),
+        f"{_rope}.factor": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.low_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.high_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.original_max_position_embeddings": (POSITIVE_INT, OPTIONAL),
+    })
+
+
+def value_at(cfg: dict, key: str):
+    """cfg["a"]["b"] for key "a.b"; None where a level is absent or not an object (its own rule reports that)."""
+    for part in key.split("."):
+        if not isinstance(cfg, dict):
+            return None
+        cfg = cfg.get(part)
+    return cfg
 
 
 def _present(cfg: dict, key: str) -> bool:
-    return cfg.get(key) is not None
+    return value_at(cfg, key) is not None
+
+
+def _rope_kind(rope: dict) -> str:
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def _rope_has_what_its_kind_needs(rope) -> bool:
+    if not isinstance(rope, dict):
+        return True
+    kind = _rope_kind(rope)
+    if kind in ("linear", "llama3") and rope.get("factor") is None:
+        return False
+    if kind == "llama3":
+        low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        return rope.get("original_max_position_embeddings") is not None and low < high
+    return True
 
 
 # (the keys it reads, holds(cfg), what must hold). Checked once every key it reads has passed FIELDS.
@@ -79,6 +115,9 @@ RELATIONS: list[tuple[tuple[str, ...], Callable[[dict], bool], str]] = [
     (("num_attention_heads", "num_key_value_heads"),
      lambda c: not _present(c, "num_key_value_heads") or c["num_attention_heads"] % c["num_key_value_heads"] == 0,
      "num_attention_heads must be a multiple of num_key_value_heads (each KV head serves a whole group)"),
+    *(((rope,), lambda c, rope=rope: _rope_has_what_its_kind_needs(c.get(rope)),
+        f"{rope} of rope_type linear needs factor; llama3 needs factor, original_max_position_embeddings and "
+        f"low_freq_factor < high_freq_factor") for rope in ("rope_scaling", "rope_parameters")),
 ]
 
 
@@ -92,8 +131,8 @@ def check_field_types(cfg, source: str) -> None:
     architecture is reported as such, not as its first missing key)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{source} must hold a JSON object, not {type(cfg).__name__}.")
-    for key, (rule, _) in FIELDS.items():
-        value = cfg.get(key)
+    for key, (rule, _) in FIELDS.items():  # a parent key comes before its children
+        value = value_at(cfg, key)
         if value is not None and not rule.accepts(value):
             raise ValueError(f"{source}: {key} is {_shown(value)} ({type(value).__name__}); "
                              f"it must be {rule.expected}. Fix the file.")
@@ -101,9 +140,9 @@ def check_field_types(cfg, source: str) -> None:
 
 def check_required_and_relations(cfg: dict, source: str) -> None:
     for key, (rule, required) in FIELDS.items():
-        if required and cfg.get(key) is None:
+        if required and value_at(cfg, key) is None:
             raise ValueError(f"{source} has no {key!r}; it must be {rule.expected}. Fix the file.")
     for keys, holds, what in RELATIONS:
         if not holds(cfg):
-            values = ", ".join(f"{k} {_shown(cfg.get(k))}" for k in keys)
+            values = ", ".join(f"{k} {_shown(value_at(cfg, k))}" for k in keys)
             raise ValueError(f"{source}: {what}; got {values}. Fix the file.")
