@@ -58,6 +58,7 @@ class EngineArgs:
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages: the layers split over this many device groups (layers per stage: even, or VLLM_PP_LAYER_PARTITION=\"a,b\").", "group": "Parallel", "aliases": ["-pp"]})
     distributed_executor_backend: str | None = field(default=None, metadata={"help": "uni (in this process) | mp (one process per device on this host) | ray (one Ray actor per device, any number of nodes). Default: uni for one device, mp for several.", "group": "Parallel"})
     pp_layer_partition: str | None = field(default=None, metadata={"help": "Decoder layers per pipeline stage, e.g. \"20,12\" (default: $KVSERVE_PP_LAYER_PARTITION or $VLLM_PP_LAYER_PARTITION, else even).", "group": "Parallel"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE layers: place whole experts on the tensor-parallel ranks (each rank holds num_experts / tp of them) instead of splitting every expert's intermediate features over the ranks. Attention stays tensor-parallel.", "group": "Parallel", "aliases": ["-ep"]})
     disable_custom_all_reduce: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve's all-reduce is torch.distributed's (NCCL on GPU, gloo on CPU).", "group": "Parallel"})
 
     def __post_init__(self):
@@ -187,16 +188,13 @@ class EngineConfig:
             device = "cuda" if _cuda_available() else "cpu"
         dtype = _resolve_dtype(args.dtype, model_config.torch_dtype, device)
 
+        # Windowed layers attend to their window at any length: the limit is the model's positions.
         model_max = model_config.max_position_embeddings
-        if model_config.sliding_window:
-            # Sliding-window attention is not implemented: stay inside the window, where it is exact.
-            model_max = min(model_max, model_config.sliding_window)
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "
-                f"({model_max}: max_position_embeddings, or the sliding window, which kvserve does not "
-                f"implement yet). Use --max-model-len {model_max} or less."
+                f"({model_max}: max_position_embeddings). Use --max-model-len {model_max} or less."
             )
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens

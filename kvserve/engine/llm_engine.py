@@ -79,7 +79,8 @@ class LLMEngine:
             logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"),
+                                               sliding_window=config.model_config.kv_cache_window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

@@ -2,6 +2,9 @@
 
 Inputs are one flat batch: all scheduled tokens of all requests concatenated, [T]. Attention reads
 and writes the cache through the backend, using the step's AttentionMetadata passed down explicitly.
+Per-layer attention options come from the config (each layer's window, a logit soft cap, the softmax
+scale, the rope base of windowed layers, partial rotary); families that differ further (Gemma, Phi-3)
+subclass the hooks below in their own files.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvserve.model.layers import (
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.ops.attention_backend import AttentionBackend
 from kvserve.ops.attention_metadata import AttentionMetadata
 
@@ -36,10 +40,12 @@ def _quant_method(quant_config, prefix: str):
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
-                 prefix: str = ""):
+                 prefix: str = "", layer_idx: int = 0, norm_cls: type = RMSNorm):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
+        self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.attention_bias,
                                           quant_method=_quant_method(quant_config, f"{prefix}.qkv_proj"))
@@ -51,10 +57,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         quant_method=_quant_method(quant_config, f"{prefix}.o_proj"))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm_cls(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.norm_whole_projection = False  # q/k norm per head (Qwen3, Gemma 3), or over the projection
         self.rotary = rotary
         self.backend = backend
         # FP8 KV cache: K/V are stored as k / k_scale in e4m3. From the checkpoint when it has them, else 1.0,
@@ -69,12 +76,16 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_whole_projection:  # OLMo 2: over all heads at once
+            q, k = self.q_norm(q.reshape(-1, self.q_size)), self.k_norm(k.reshape(-1, self.kv_size))
+            q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     # vLLM's rule: max |k| maps to 200 and max |v| to 100 (e4m3's largest value is 448), once.
@@ -87,16 +98,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = "", intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        """intermediate_size: default the config's (a MoE shared expert has its own); reduce_results=False
+        leaves the all-reduce to the caller."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        self.gelu_tanh = cfg.hidden_act == "gelu_pytorch_tanh"
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2,
                                                        quant_method=_quant_method(quant_config, f"{prefix}.gate_up_proj"))
         self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, reduce_results=reduce_results,
                                            quant_method=_quant_method(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
+        if self.gelu_tanh:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if use_fused_kernels(gate_up):
             from kvserve.model.quantization.fp8 import fused_input_quant
             from kvserve.ops import fused_kernels
@@ -111,10 +132,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
-                 prefix: str = ""):
+                 prefix: str = "", layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn")
-        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
+        self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn", layer_idx)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(cfg, quant_config, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -139,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    decoder_layer_cls: type = DecoderLayer
+    norm_cls: type = RMSNorm
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  layer_range: tuple[int, int] | None = None, quant_config=None):
@@ -148,17 +174,23 @@ class LlamaForCausalLM(nn.Module):
         ps = get_parallel_state()
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        # Gemma 3: windowed layers turn with their own base and no scaling.
+        rotary_local = rotary
+        if cfg.rope_local_theta is not None:
+            rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, None, cfg.rotary_dim)
+        windows = cfg.layer_windows or [None] * cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
         # Layers of other stages are empty placeholders, so parameter names stay the checkpoint's.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, quant_config, f"layers.{i}") if self.start_layer <= i < self.end_layer
-            else nn.Module()
+            self.decoder_layer_cls(cfg, rotary if windows[i] is None else rotary_local, backend, quant_config,
+                                   f"layers.{i}", i)
+            if self.start_layer <= i < self.end_layer else nn.Module()
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = self.lm_head = None
         if self.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
                 self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor
@@ -166,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         # Shared by all layers; registered once here so .to(device) moves it once.
         self.rotary = rotary
+        self.rotary_local = rotary_local if rotary_local is not rotary else None
 
     @property
     def num_local_layers(self) -> int:
@@ -179,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
         for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
@@ -189,8 +222,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _on_this_rank(self, name: str) -> bool:
         """Whether a checkpoint tensor (our name) belongs to this pipeline stage."""
