@@ -235,7 +235,10 @@ _JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**6) 
 @settings(max_examples=300, deadline=None)
 @given(changes=st.dictionaries(st.sampled_from(sorted(_BASE_CONFIG) + ["rope_scaling", "rope_parameters",
                                                                        "sliding_window", "bos_token_id",
-                                                                       "attention_bias", "use_sliding_window"]),
+                                                                       "attention_bias", "use_sliding_window",
+                                                                       "layer_types", "num_experts",
+                                                                       "num_experts_per_tok", "mlp_only_layers",
+                                                                       "partial_rotary_factor"]),
                                _JSON_VALUES | st.just(DELETE), max_size=3)
        | st.fixed_dictionaries({"rope_parameters": st.fixed_dictionaries(
            {"rope_theta": _JSON_VALUES, "rope_type": _JSON_VALUES})}))
