@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine_core import STOP, EngineCore
@@ -219,6 +221,37 @@ def test_a_malformed_config_names_the_field_the_value_and_the_file(llama, tmp_pa
         LLM(str(path), max_model_len=256, kv_cache_memory_bytes=8 << 20)
     assert message in str(info.value)
     assert str(path / "config.json") in str(info.value)
+
+
+_BASE_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 128, "vocab_size": 1000, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "max_position_embeddings": 512, "tie_word_embeddings": False, "eos_token_id": 2}
+_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats() | st.text(max_size=4),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                         max_size=3), max_leaves=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(sorted(_BASE_CONFIG) + ["rope_scaling", "rope_parameters",
+                                                                       "sliding_window", "bos_token_id",
+                                                                       "attention_bias", "use_sliding_window",
+                                                                       "layer_types", "num_experts",
+                                                                       "num_experts_per_tok", "mlp_only_layers",
+                                                                       "partial_rotary_factor"]),
+                               _JSON_VALUES | st.just(DELETE), max_size=3)
+       | st.fixed_dictionaries({"rope_parameters": st.fixed_dictionaries(
+           {"rope_theta": _JSON_VALUES, "rope_type": _JSON_VALUES})}))
+def test_any_config_values_give_a_model_config_or_a_value_error(changes):
+    """Whatever JSON values config.json holds, parsing it ends in a ModelConfig or a ValueError naming the file:
+    never a KeyError, TypeError or ZeroDivisionError."""
+    from kvserve.model.model_config import ModelConfig
+
+    cfg = {k: v for k, v in {**_BASE_CONFIG, **changes}.items() if v is not DELETE}
+    try:
+        ModelConfig.from_hf_dict(cfg)  # the file is named "config.json" when no path is given
+    except ValueError as e:
+        assert "config.json" in str(e) or "not supported" in str(e)
 
 
 def test_a_config_that_is_not_json_names_the_file(llama, tmp_path):

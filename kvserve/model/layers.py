@@ -172,8 +172,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
         tp = get_tp_size()
         if num_heads % tp:
+            # EngineConfig checks the layout first, naming the sizes that fit; this guards direct construction.
             raise ValueError(f"The model's {num_heads} attention heads are not divisible by "
-                             f"--tensor-parallel-size {tp}; use a tensor parallel size that divides {num_heads}.")
+                             f"--tensor-parallel-size {tp}.")
         if (num_kv_heads % tp) if tp <= num_kv_heads else (tp % num_kv_heads):
             raise ValueError(f"The model's {num_kv_heads} KV heads and --tensor-parallel-size {tp} do not fit: "
                              f"one must divide the other.")

@@ -75,6 +75,7 @@ class ModelConfig:
                      source: str = "config.json") -> "ModelConfig":
         """`source` names the file in errors (its path, or the .gguf the dict was read from)."""
         check_field_types(cfg, source)
+        cfg = {k: v for k, v in cfg.items() if v is not None}  # null means absent: the defaults below apply
         arch = architecture_of(cfg)
         if arch not in ARCHITECTURES:
             remote = ""
