@@ -314,12 +314,25 @@ class GemmaRMSNorm(RMSNorm):
     checkpoint stores weight, not 1 + weight). Same residual contract as RMSNorm."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused_kernels(x):  # the fused kernel with weight 1 + w (fp32; normed x rounded first there)
+            from kvserve.ops.fused_kernels import rms_norm
+
+            return rms_norm(x, self._offset_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
         xf = x.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def _offset_weight(self) -> torch.Tensor:
+        # Computed once per loaded weight (its version counts in-place loads), before any graph capture:
+        # the engine's profile run calls every layer first.
+        key = (self.weight._version, self.weight.device)
+        if getattr(self, "_offset_key", None) != key:
+            self._offset = 1.0 + self.weight.float()
+            self._offset_key = key
+        return self._offset
 
 
 class ProjectionRMSNorm(nn.Module):
