@@ -59,7 +59,7 @@ def tiny_parity() -> dict:
         tokens = {}
         for backend in ("triton", "torch"):
             llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, attention_backend=backend,
-                      gpu_memory_utilization=0.2, max_num_batched_tokens=128)
+                      gpu_memory_utilization=0.2, max_num_batched_tokens=128, max_num_seqs=16)
             res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             tokens[backend] = [r.outputs[0].token_ids for r in res]
             llm.llm_engine.shutdown()

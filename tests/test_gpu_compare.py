@@ -35,7 +35,9 @@ def test_table_reads_both_engines_and_orients_ratios(tmp_path, capsys):
     (tmp_path / "b" / "vllm_bench_w2.json").write_text(json.dumps(vllm_w2))
     ours = {"kvserve_commit": "abc1234", "bf16": {"w1": {"output_tok_s": 1100.0}, "batch1": {"output_tok_s": 100.0}},
             "w2": {"w2": {"seconds": 40.0}, "ttft_8192_ms": 100.0, "batch1_8k": {"output_tok_s": 180.0}},
-            "fp8": {"error": "RuntimeError: boom"}}
+            "fp8": {"error": "RuntimeError: boom"},
+            "w2-short-tiles": {"w2": {"seconds": 50.0}, "ttft_8192_ms": 120.0, "batch1_8k": {"output_tok_s": 180.0},
+                               "knobs": {"x.Y": 1}}}
     (tmp_path / "b" / "kvserve.json").write_text(json.dumps(ours))
     gpu_compare.print_table([str(tmp_path / "a"), str(tmp_path / "b")])
     out = capsys.readouterr().out
@@ -47,6 +49,9 @@ def test_table_reads_both_engines_and_orients_ratios(tmp_path, capsys):
     assert rows["TTFT of an 8,192-token prompt, ms"].endswith("| 2.00x |")
     assert rows["batch-1 decode at 8,192 tokens of context, tok/s"].endswith("| 1.00x |")
     assert "| not run | not run |" in rows["W1 AWQ int4, output tok/s"]
+    ab = [line for line in out.splitlines() if "vs w2-short-tiles" in line]  # the A/B rows: this tree vs off
+    assert any(line.startswith("| w2 w2 seconds") and line.endswith("| 1.25x |") for line in ab), ab
+    assert any(line.startswith("| w2 ttft_8192_ms") and line.endswith("| 1.20x |") for line in ab), ab
 
 
 def test_ab_knobs_set_and_restore_module_and_class_attributes():

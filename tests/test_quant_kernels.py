@@ -228,7 +228,10 @@ def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
     rq, rscale = reference(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
-    assert torch.equal(scale, rscale)
+    if DEVICE == "cpu":
+        assert torch.equal(scale, rscale)
+    else:  # torch on CUDA divides a tensor by a scalar as a multiply by its reciprocal: 1 ulp from div_rn
+        torch.testing.assert_close(scale, rscale, rtol=2.4e-7, atol=0)
     static = torch.tensor([0.37], device=DEVICE)
     q, scale = quantize_per_token(x, static)
     want = (x.float() / static).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)

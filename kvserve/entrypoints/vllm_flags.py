@@ -69,7 +69,7 @@ _TUNING = "a vLLM scheduling or loading tuning knob; kvserve's scheduler and loa
 _OBSERVE = "a vLLM logging, metrics or tracing setting; kvserve logs stats every 10 s and exports /metrics"
 _HTTP = "a vLLM HTTP front-end setting kvserve does not have (no CORS, docs or access-log options)"
 _MULTIMODAL = "multimodal inputs: kvserve serves text-only models"
-_MOE = "mixture-of-experts and expert parallelism: kvserve's models are dense"
+_MOE = "a mixture-of-experts tuning or load-balancing setting kvserve does not have (its MoE layers place experts with --enable-expert-parallel)"
 _LORA_OPT = "a LoRA setting, and kvserve has no LoRA adapters"
 _DP = "data parallelism is not supported: run one kvserve server per GPU (or group) behind a load balancer"
 _MULTINODE = "multi-node serving is not supported: kvserve runs on one machine"
@@ -134,7 +134,6 @@ IGNORED: dict[str, str] = {
     "--enable-elastic-ep": _MOE,
     "--enable-ep-weight-filter": _MOE,
     "--enable-eplb": _MOE,
-    "--enable-expert-parallel": _MOE,
     "--enable-flash-late-interaction": _KERNELS,
     "--enable-flashinfer-autotune": _KERNELS,
     "--enable-layerwise-nvtx-tracing": _OBSERVE,

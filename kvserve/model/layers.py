@@ -133,7 +133,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return super().weight_loader(param, loaded)
         dim = getattr(param, "output_dim", None)
         if dim is None and getattr(param, "input_dim", None) is not None:  # per input row (GPTQ g_idx): shared
-            return _copy_into(param.data, loaded, f"shard {shard_id}")
+            return self._load_shared_rows(param, loaded, shard_id)
         if dim is None:  # a per-tensor scale of one part: it goes to that part's slot
             target = param.data[shard_id] if param.data.numel() > 1 else param.data
             _copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")
@@ -141,6 +141,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, size, start = (_packed(param, dim, n) for n in self._shard(shard_id))
         loaded = loaded.narrow(dim, start, size)
         _copy_into(param.data.narrow(dim, offset, size), loaded, f"shard {shard_id}")
+
+
+    @staticmethod
+    def _load_shared_rows(param: nn.Parameter, loaded, shard_id) -> None:
+        """One tensor per input row that every part must carry alike: the parts share one GEMM, so one input
+        row order (GPTQ act-order g_idx). Parts quantized with different orders cannot be fused."""
+        first = getattr(param, "filled_by_shard", None)
+        if first is None:
+            _copy_into(param.data, loaded, f"shard {shard_id}")
+            param.filled_by_shard = shard_id
+            return
+        loaded = as_tensor(loaded)
+        if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(loaded.to(param.dtype), param.data):
+            raise ValueError(f"shard {shard_id} differs from shard {first}: kvserve fuses these projections into "
+                             f"one GEMM, which needs the same per-row tensor in every part (GPTQ act-order "
+                             f"checkpoints whose q/k/v or gate/up parts have different g_idx are not supported; "
+                             f"quantize them with one act order, as GPTQ does for layers reading the same input)")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -28,6 +28,7 @@ from kvserve.model.layers import (
     use_fused_kernels,
 )
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.ops.attention_backend import AttentionBackend
 from kvserve.ops.attention_metadata import AttentionMetadata
 
@@ -97,15 +98,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = "", intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        """intermediate_size: default the config's (a MoE shared expert has its own); reduce_results=False
+        leaves the all-reduce to the caller."""
         super().__init__()
         if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
         self.gelu_tanh = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2,
                                                        quant_method=_quant_method(quant_config, f"{prefix}.gate_up_proj"))
         self.intermediate = self.gate_up_proj.output_partition_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, reduce_results=reduce_results,
                                            quant_method=_quant_method(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x):
@@ -134,7 +139,10 @@ class DecoderLayer(nn.Module):
                  prefix: str = "", layer_idx: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg, rotary, backend, quant_config, f"{prefix}.self_attn", layer_idx)
-        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(cfg, quant_config, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -240,9 +248,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Load HF-named tensors (or lazy slices, read only for this rank's part); returns the names of our
-        parameters that were filled."""
+        parameters that were filled (a merged parameter only once every part was)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        parts_loaded: dict[str, set] = {}  # merged parameter -> the shard ids filled so far
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -259,14 +268,27 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for target in targets:
                 loaded.add(self._load_one(params, target, tensor))
+                merged, shard = self._merged_name(target)
+                if shard is not None and merged in params:
+                    parts_loaded.setdefault(merged, set()).add(shard)
+        for merged, got in parts_loaded.items():
+            absent = [f"model.{merged.replace(our, hf)}" for hf, (our, shard) in self._MERGED.items()
+                      if our in merged and shard not in got]
+            if absent:  # the fused GEMM would run on uninitialized rows
+                raise ValueError(f"the checkpoint lacks {', '.join(absent)}, which kvserve fuses with the other "
+                                 f"parts of {merged}; is the checkpoint complete?")
         return loaded
 
-    def _load_one(self, params: dict, name: str, tensor) -> str:
-        shard = None
+    def _merged_name(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id) of a checkpoint tensor that is one part of a merged projection, else
+        (name, None)."""
         for hf_part, (our_part, shard_id) in self._MERGED.items():
             if hf_part in name:
-                name, shard = name.replace(hf_part, our_part), shard_id
-                break
+                return name.replace(hf_part, our_part), shard_id
+        return name, None
+
+    def _load_one(self, params: dict, name: str, tensor) -> str:
+        name, shard = self._merged_name(name)
         param = params.get(name)
         if param is None and name.endswith(".bias") and not as_tensor(tensor).any():
             return name  # GPTQ tools save all-zero biases for layers that have none

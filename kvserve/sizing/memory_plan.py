@@ -55,6 +55,13 @@ class RankShape:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    # Mixture of experts: this stage's sparse layers (the others keep the dense MLP) and one rank's share of them.
+    moe_layers: int = 0
+    num_experts: int = 0  # the router's width (replicated)
+    num_local_experts: int = 0  # all of them split by features, or num_experts / tp whole with expert parallelism
+    moe_intermediate_size: int = 0  # per rank, of each local expert
+    shared_expert_intermediate_size: int = 0  # per rank
+    num_experts_per_tok: int = 0
 
 
 def pipeline_layers(num_layers: int, pp: int) -> list[int]:
@@ -63,7 +70,26 @@ def pipeline_layers(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
-def rank_shapes(cfg, tp: int = 1, pp: int = 1) -> list[RankShape]:
+def _moe_shape(cfg, tp: int, expert_parallel: bool, first_layer: int, num_layers: int) -> dict:
+    """RankShape's MoE fields for the stage holding layers [first_layer, first_layer + num_layers), as
+    kvserve/model/moe.py places experts (the largest rank's share with expert parallelism)."""
+    experts = getattr(cfg, "num_experts", 0)
+    if not experts:
+        return {}
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(first_layer, first_layer + num_layers))
+    if expert_parallel and tp > 1:
+        local, inter = cdiv(experts, tp), cfg.moe_intermediate_size
+    else:
+        if cfg.moe_intermediate_size % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the experts' intermediate size "
+                             f"{cfg.moe_intermediate_size}; use --enable-expert-parallel or a size that divides it.")
+        local, inter = experts, cfg.moe_intermediate_size // tp
+    return dict(moe_layers=moe_layers, num_experts=experts, num_local_experts=local, moe_intermediate_size=inter,
+                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+                num_experts_per_tok=cfg.num_experts_per_tok)
+
+
+def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) -> list[RankShape]:
     """One RankShape per pipeline stage (every tensor-parallel rank of a stage is the same size)."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if tp < 1 or pp < 1:
@@ -92,9 +118,16 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1) -> list[RankShape]:
             tie_word_embeddings=cfg.tie_word_embeddings,
             attention_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
+            **_moe_shape(cfg, tp, expert_parallel, first, n),
         )
-        for i, n in enumerate(pipeline_layers(cfg.num_hidden_layers, pp))
+        for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
     ]
+
+
+def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of each stage."""
+    counts = pipeline_layers(num_layers, pp)
+    return [(sum(counts[:i]), n) for i, n in enumerate(counts)]
 
 
 def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantization: str | None) -> int:
@@ -107,21 +140,32 @@ def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantiz
     return in_features * out_features * dtype_bytes
 
 
+def _mlp_bytes(hidden: int, intermediate: int, dtype_bytes: int, quantization: str | None) -> int:
+    """gate_up and down of one MLP (or one expert)."""
+    return (_linear_bytes(hidden, 2 * intermediate, dtype_bytes, quantization)
+            + _linear_bytes(intermediate, hidden, dtype_bytes, quantization))
+
+
 def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = None) -> int:
     """Parameters of one rank in memory. Quantization applies to the decoder's linear layers; embeddings,
     lm_head and norms stay in the model dtype (as in vLLM)."""
     h, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    per_layer = (
+    attention = (
         _linear_bytes(h, q + 2 * kv, dtype_bytes, quantization)
         + _linear_bytes(q, h, dtype_bytes, quantization)
-        + _linear_bytes(h, 2 * shape.intermediate_size, dtype_bytes, quantization)
-        + _linear_bytes(shape.intermediate_size, h, dtype_bytes, quantization)
         + 2 * h * dtype_bytes  # input and post-attention norms
         + ((q + 2 * kv) * dtype_bytes if shape.attention_bias else 0)
         + (2 * hd * dtype_bytes if shape.qk_norm else 0)
     )
-    total = shape.num_layers * per_layer
+    total = shape.num_layers * attention + (shape.num_layers - shape.moe_layers) * _mlp_bytes(
+        h, shape.intermediate_size, dtype_bytes, quantization)
+    if shape.moe_layers:
+        moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, quantization)
+        moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
+        if shape.shared_expert_intermediate_size:
+            moe += _mlp_bytes(h, shape.shared_expert_intermediate_size, dtype_bytes, quantization) + h * dtype_bytes
+        total += shape.moe_layers * moe
     vocab_rows = shape.vocab_size * h * dtype_bytes
     if shape.has_embedding:
         total += vocab_rows
@@ -152,7 +196,9 @@ def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtyp
     scratch_kv = num_seqs * blocks_per_seq * block_size * kv_bytes_per_token(shape, kv_dtype_bytes)
     h, i = shape.hidden_size, shape.intermediate_size
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h)) * dtype_bytes
+    # A MoE layer holds, per (token, expert) pair, its gate_up, activated and down rows.
+    moe = shape.num_experts_per_tok * (3 * shape.moe_intermediate_size + h) if shape.moe_layers else 0
+    layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h, moe)) * dtype_bytes
     # logits in the model dtype, in fp32, then probabilities, sorted values and int64 indices
     sampler = num_seqs * shape.vocab_size * (dtype_bytes + 4 * 3 + 8) if shape.has_lm_head else 0
     return scratch_kv + max(layer, sampler + num_tokens * h * dtype_bytes)
@@ -273,6 +319,7 @@ class PlanInputs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     quantization: str | None = None
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
@@ -334,6 +381,8 @@ class MemoryPlan:
             "max_concurrency": self.max_concurrency,
             "max_model_len": self.inputs.max_model_len,
             "weights_source": self.weights_source,
+            "num_params": self.inputs.model_config.num_params(),
+            "active_params_per_token": self.inputs.model_config.num_active_params(),
         }
 
 
@@ -341,7 +390,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
     cfg = p.model_config
     dtype_bytes = DTYPE_BYTES[p.dtype]
     kv_dtype = kv_cache_dtype_bytes(p.kv_cache_dtype, p.dtype)
-    shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size)
+    shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
     single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
     budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
     ranks = []

@@ -84,6 +84,7 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), tensor_parallel_size=tp,
         pipeline_parallel_size=pp, quantization=None if quant in (None, "none") else quant,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, total_gpu_bytes=total_gpu_bytes,
         others_bytes=others_bytes,
@@ -92,7 +93,7 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
 
 def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
     tp, pp = parallel_sizes(config)
-    return memory_plan.rank_shapes(config.model_config, tp, pp)[stage]
+    return memory_plan.rank_shapes(config.model_config, tp, pp, getattr(config.args, "enable_expert_parallel", False))[stage]
 
 
 def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:

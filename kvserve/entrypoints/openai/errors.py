@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.entrypoints.openai.not_served import not_served_message
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -21,6 +23,8 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeoutError",
+    421: "MisdirectedRequestError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -81,6 +85,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = not_served_message(request.url.path)
+            if message is not None:
+                return error_response(message, 404)
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
