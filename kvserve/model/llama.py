@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, consumer=self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=self.mlp.gate_up_proj)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=getattr(self.mlp, "gate_up_proj", None))
         return self.mlp(hidden), residual
 
 
