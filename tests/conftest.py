@@ -70,6 +70,12 @@ def _tiny_config(arch: str):
             attn_implementation="eager")
     if arch == "phi3":  # Phi-4-mini's partial rotary, Phi-3-mini's window
         return transformers.Phi3Config(**common, sliding_window=WINDOW, partial_rotary_factor=0.5, pad_token_id=0)
+    if arch == "phi3-longrope":  # Phi-4-mini's rope: max_model_len 256 <= the original 256: short factors
+        return transformers.Phi3Config(
+            **{**common, "max_position_embeddings": 1024}, partial_rotary_factor=0.5, pad_token_id=0,
+            original_max_position_embeddings=256,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+                          "long_factor": [1.5, 2.5, 6.0, 11.0]})
     if arch == "granite":
         return transformers.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.3,
                                           attention_multiplier=0.09, logits_scaling=4.0)

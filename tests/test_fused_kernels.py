@@ -67,6 +67,38 @@ def test_silu_and_mul(dtype, n_rows, intermediate):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_gemma_rms_norm_fused(dtype, with_residual):
+    """Gemma's (1 + w) norm on the fused path against HF's maths (fp32 throughout, one rounding)."""
+    from kvserve.model.layers import GemmaRMSNorm
+
+    x, r = _rows(4, 256, dtype, 6), _rows(4, 256, dtype, 7)
+    norm = GemmaRMSNorm(256, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * _rows(1, 256, torch.float32, 8)[0])
+    residual = r if with_residual else None
+    got = norm(x, residual)
+    xs = x + r if with_residual else x
+    xf = xs.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + norm.weight.float())).to(dtype)
+    if with_residual:
+        got = got[0]
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n_rows,intermediate", [(1, 128), (3, 1000)])
+def test_gelu_tanh_and_mul(dtype, n_rows, intermediate):
+    from kvserve.ops.fused_kernels import gelu_tanh_and_mul
+
+    gate_up = _rows(n_rows, 2 * intermediate, dtype, 5)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    got = gelu_tanh_and_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (n_rows, intermediate)
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh") * up, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 32), (32, 8, 128), (6, 2, 48)])
 def test_rotary_in_place_on_qkv_views(dtype, num_heads, num_kv_heads, head_dim):
     from kvserve.model.layers import RotaryEmbedding, _rotate

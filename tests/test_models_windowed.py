@@ -9,11 +9,12 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.model_config import ModelConfig
 from tests.conftest import WINDOW, hf_greedy, random_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "granite", "olmo2"]
+ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "granite", "olmo2"]
 
 
 def _generate(path, prompts, **kwargs) -> tuple[list[list[int]], object]:
@@ -46,7 +47,7 @@ def test_matches_hf_with_chunks_prefix_hits_and_preemption(model):
     path, prompts, expected = model
     # Chunks of 20 tokens (shorter than the window), prefix caching on, few blocks of 16 for 12 requests
     # (fewer where every layer is windowed: those requests free their old blocks as they go).
-    all_windowed = path.split("tiny-")[-1].startswith(("mistral-window", "phi3"))
+    all_windowed = ModelConfig.from_path(path).kv_cache_window is not None
     tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6,
                                num_gpu_blocks_override=8 if all_windowed else 18, max_model_len=160)
     assert tokens == expected

@@ -1,37 +1,24 @@
-"""The Triton kernels' per-layer options against the dense definition and the torch backend (fp32): a
-sliding window, whose keys left of every window are poisoned with NaN (freed blocks must never be read),
-and logit soft-capping. On the CPU through Triton's interpreter (see tests/test_triton_attention.py for
-why this file re-runs itself in a subprocess); compiled on the GPU where CUDA is available, where the
-`gpu` tests also check bf16 at Gemma-like shapes."""
+"""The Triton kernels' per-layer options against the dense definition and the torch backend: a sliding
+window, whose blocks left of every window are poisoned with NaN (freed blocks must never be read), and
+logit soft-capping. On CPU tensors under Triton's interpreter (tests/test_triton_interpreter.py runs this
+file so) and compiled on CUDA (the gpu tier, `pytest -m gpu`), where bf16 at Gemma-3-12B's head shapes
+is checked too."""
 
 from __future__ import annotations
-
-import os
-import re
 
 import pytest
 import torch
 
 from tests import paged_batch
-from tests.triton_interpreter import run_file_in_interpreter
+from tests.triton_interpreter import KERNEL_DEVICE, KERNEL_TIER, compiled_only
 
 pytest.importorskip("triton")
 
+import kvserve.ops.triton_attention as ta
 from kvserve.ops.torch_attention import TorchAttentionBackend
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-if DEVICE is not None:
-    import kvserve.ops.triton_attention as ta
-
-
-@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
-def test_triton_window_kernels_in_interpreter_subprocess():
-    out = run_file_in_interpreter(__file__)
-    summary = out.strip().splitlines()[-1]
-    if not re.search(r"\d+ passed", summary):
-        pytest.skip(f"interpreter run passed nothing: {summary}")
-    print(summary)
+pytestmark = KERNEL_TIER
+DEVICE = KERNEL_DEVICE
 
 
 def check(ctx_lens, q_lens, window, soft_cap=None, backend=None, dtype=torch.float32, atol=1e-4, **kw):
@@ -90,8 +77,7 @@ def test_non_power_of_two_group_with_window():
     check([9, 0, 30], [1, 25, 3], 6, num_heads=6, num_kv_heads=2, block_size=8, seed=5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@compiled_only
 @pytest.mark.parametrize("soft_cap", [None, 50.0])
 def test_gemma_shapes_bf16(soft_cap):
     # Gemma-3-12B-like heads (16 q / 8 kv, head_dim 256), a 1024-token window over longer contexts.
@@ -99,8 +85,3 @@ def test_gemma_shapes_bf16(soft_cap):
     for window in (1024, None):
         check(ctx, ql, window, soft_cap, dtype=torch.bfloat16, atol=2e-2, num_heads=16, num_kv_heads=8,
               head_dim=256, block_size=16, seed=21)
-
-
-if DEVICE is None:
-    for _name in [n for n in globals() if n.startswith("test_") and n != "test_triton_window_kernels_in_interpreter_subprocess"]:
-        del globals()[_name]

@@ -195,7 +195,7 @@ class KVCacheManager:
             return None
         tail = blocks[keep:]
         del blocks[keep:]
-        self.pool.free(tail[::-1])
+        self.pool.free([b for b in reversed(tail) if b is not FREED])  # (freed entries lie before keep)
         return keep
 
     def free(self, request: Request) -> None:

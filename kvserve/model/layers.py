@@ -334,12 +334,25 @@ class GemmaRMSNorm(RMSNorm):
     checkpoint stores weight, not 1 + weight). Same residual contract as RMSNorm."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused_kernels(x):  # the fused kernel with weight 1 + w (fp32; normed x rounded first there)
+            from kvserve.ops.fused_kernels import rms_norm
+
+            return rms_norm(x, self._offset_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
         xf = x.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def _offset_weight(self) -> torch.Tensor:
+        # Computed once per loaded weight (its version counts in-place loads), before any graph capture:
+        # the engine's profile run calls every layer first.
+        key = (self.weight._version, self.weight.device)
+        if getattr(self, "_offset_key", None) != key:
+            self._offset = 1.0 + self.weight.float()
+            self._offset_key = key
+        return self._offset
 
 
 class ProjectionRMSNorm(nn.Module):
@@ -368,6 +381,20 @@ class ProjectionRMSNorm(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_into(param.data, loaded.narrow(0, self.shard_index * self.local_dim, self.local_dim), "weight")
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-dimension divisors, the long ones when the engine's max_model_len exceeds the
+    pre-training length (HF switches per forward as a sequence grows; fixing the choice per engine keeps a
+    request's cached keys and its later queries on one rotary), and cos/sin scaled by the attention factor."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -399,12 +426,16 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
-        elif kind != "default":
-            raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        attention_factor = 1.0
+        if kind == "longrope":
+            inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions)
+        elif kind not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+                             f"longrope)")
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cached", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cached", freqs.sin() * attention_factor, persistent=False)
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 

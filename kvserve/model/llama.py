@@ -116,6 +116,10 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.gelu_tanh:
+            if use_fused_kernels(gate_up):
+                from kvserve.ops.fused_kernels import gelu_tanh_and_mul
+
+                return self.down_proj(gelu_tanh_and_mul(gate_up))
             gate, up = gate_up.split(self.intermediate, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if use_fused_kernels(gate_up):

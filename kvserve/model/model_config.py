@@ -104,6 +104,9 @@ class ModelConfig:
             rope_scaling.pop("partial_rotary_factor", None)  # a rotary dimension, not a scaling (Phi-4-mini)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else rope_scaling
+            if kind == "longrope":  # Phi-3 keeps these two lengths beside rope_scaling
+                rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+                rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         family = _family_fields(arch, cfg)

@@ -158,6 +158,32 @@ def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, s_in_ptr, n_cols, stride_x, STATIC
     tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _gelu_tanh_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # finite at both ends
+    act = (0.5 * g * (1.0 + tanh)).to(gate.dtype)  # HF: gelu rounded, then the product rounded
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (Gemma's MLP)."""
+    n_rows, two_i = x.shape
+    n_cols = two_i // 2
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    block = 1024
+    if n_rows:
+        _gelu_tanh_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](x, out, n_cols, x.stride(0), out.stride(0),
+                                                                     BLOCK=block, num_warps=4)
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     n_rows, two_i = x.shape
