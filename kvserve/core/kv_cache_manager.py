@@ -77,9 +77,12 @@ class KVCacheManager:
         return self.req_to_blocks[source_id][:num_blocks]
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Blocks for `num_new_tokens` more tokens; returns the newly added block ids, or None if full.
+        """Blocks for `num_new_tokens` more tokens, plus `num_lookahead_tokens` slots after them (draft
+        tokens to verify: never published in the prefix cache, since they may be rejected); returns the
+        newly added block ids, or None if full.
 
         `new_computed_blocks` are prefix-cache hits found for a request being admitted; they are
         only taken (ref count +1) if the whole allocation succeeds.
@@ -89,7 +92,7 @@ class KVCacheManager:
             blocks = self.req_to_blocks.get(request.request_id)
             if blocks is not None:
                 end = request.num_computed_tokens + num_new_tokens
-                if end <= len(blocks) * self.block_size and (
+                if end + num_lookahead_tokens <= len(blocks) * self.block_size and (
                     not self.enable_caching
                     or min(end, request.num_tokens) // self.block_size <= self._num_cached_blocks.get(request.request_id, 0)
                 ):
@@ -97,7 +100,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hits that sit in the free queue stop being allocatable once we take them.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -124,6 +127,18 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def trim(self, request: Request) -> int | None:
+        """Frees the blocks past the request's computed tokens (slots of rejected draft tokens); returns
+        how many blocks its table keeps, or None if none was freed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if not blocks or keep >= len(blocks):
+            return None
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(tail[::-1])
+        return keep
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -29,6 +29,7 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.proposer import Proposer, accepts_drafts
 from kvserve.worker import memory
 from kvserve.worker.runner_output import PendingOutput
 from kvserve.worker.sampling_metadata import sampling_inputs_valid
@@ -97,10 +98,9 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
-        self.output_processor = OutputProcessor(
-            self.tokenizer, config.model_config.vocab_size,
-            finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
+        # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
+        self.proposer: Proposer | None = None
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
@@ -243,7 +243,7 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self._in_flight is not None and self._needs_history:
+        if self._in_flight is not None and (self._needs_history or self.proposer is not None):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self.scheduler.schedule()
@@ -274,7 +274,7 @@ class LLMEngine:
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
-        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s, vocab)}
+        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s.request, vocab)}
         if not culprits:
             culprits = {s.request_id for s in scheduled}
         parents = {self.output_processor.samples[c].parent.request_id for c in culprits
@@ -335,8 +335,26 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
-        touched = self.scheduler.update(step.sched_out, result.sampled)
-        return self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        touched = self.scheduler.update(step.sched_out, dict(zip(result.req_ids, result.sampled_token_ids)))
+        stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        if stops:
+            self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
+        outputs = self.output_processor.make_outputs()
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
+        proposer needs each step's tokens before the next step is scheduled."""
+        self.proposer = proposer
+
+    def _propose(self) -> None:
+        running = [r for r in self.scheduler.running if accepts_drafts(r.sampling_params)]
+        if running:
+            drafts = self.proposer.propose(running)
+            if drafts:
+                self.scheduler.update_draft_token_ids(drafts)
 
     def get_stats(self) -> EngineStats:
         pc = self.kv_cache_manager.prefix_cache_stats

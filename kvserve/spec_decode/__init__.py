@@ -1,1 +1,2 @@
-"""Speculative decoding: draft proposers, and exact verification of their drafts against the target model."""
+"""Speculative decoding: proposers offer draft tokens, the model runner verifies them exactly
+(rejection_sampler.py), and the draft budget sizes drafts per step."""

@@ -1,4 +1,4 @@
-"""What one model-runner step hands back to the engine: sampled tokens, and logprobs where asked for.
+"""What one model-runner step hands back to the engine: each request's new tokens, and logprobs where asked.
 
 Also computes prompt logprobs: the model's distribution at every prompt position of the requests that
 asked, chunk by chunk as the prompt is prefilled.
@@ -28,8 +28,10 @@ class PositionLogprobs:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # one position per sampling request
+    req_ids: list[str] = field(default_factory=list)  # the requests that sampled, in batch order
+    # Per request: its new tokens (one, or the drafts it accepted and one more).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # one position per new token
     # request id -> (index in the prompt of the first token scored, logprobs of consecutive prompt tokens)
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)
 
@@ -39,11 +41,14 @@ class PendingOutput:
     behind the step's kernels at once; `result()` waits for them only (not for later steps queued since)."""
 
     def __init__(self, rids: list[str], sampler_out, wants_logprobs: list[bool],
-                 prompt_logprobs: dict | None = None):
+                 prompt_logprobs: dict | None = None, accepted=None):
+        """`accepted`: instead of `sampler_out`, a step that verified drafts: [B, 1 + k] new tokens per
+        request, padded with -1 (spec_verify.verify)."""
         self.rids = rids
         self.wants_logprobs = wants_logprobs
         self.prompt_logprobs = prompt_logprobs or {}
-        tensors = [sampler_out.sampled] if sampler_out is not None else []
+        self.multi_token = accepted is not None
+        tensors = [accepted] if accepted is not None else [sampler_out.sampled] if sampler_out is not None else []
         if sampler_out is not None and sampler_out.logprobs is not None:
             tensors += [sampler_out.logprob_token_ids, sampler_out.logprobs, sampler_out.sampled_ranks]
         self.event = None
@@ -65,9 +70,11 @@ class PendingOutput:
         if self._result is None:
             if self.event is not None:
                 self.event.synchronize()
-            out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
-            if self.host:
-                out.sampled = dict(zip(self.rids, self.host[0].tolist()))
+            out = RunnerOutput(req_ids=self.rids, prompt_logprobs=self.prompt_logprobs)
+            if self.host and self.multi_token:
+                out.sampled_token_ids = [[t for t in row if t >= 0] for row in self.host[0].tolist()]
+            elif self.host:
+                out.sampled_token_ids = [[t] for t in self.host[0].tolist()]
             if len(self.host) > 1:
                 ids, lps, ranks = (t.tolist() for t in self.host[1:])
                 for j, rid in enumerate(self.rids):
