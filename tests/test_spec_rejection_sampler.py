@@ -10,8 +10,8 @@ import torch
 from scipy.stats import chisquare
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.rejection_sampler import DraftTokens, rejection_sample
-from kvserve.spec_decode.verify_metadata import build_verify_metadata
+from kvserve.worker.spec_verify import DraftTokens, rejection_sample
+from kvserve.worker.spec_verify_metadata import build_verify_metadata
 from kvserve.worker.sampler import sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 

@@ -29,7 +29,8 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.proposer import Proposer, accepts_drafts
+from kvserve.spec_decode.drafter import Drafter
+from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker import memory
 from kvserve.worker.runner_output import PendingOutput
 from kvserve.worker.sampling_metadata import sampling_inputs_valid
@@ -101,6 +102,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
         # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
+        self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
+        if config.args.speculative_config is not None:
+            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
@@ -335,7 +340,13 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
-        touched = self.scheduler.update(step.sched_out, dict(zip(result.req_ids, result.sampled_token_ids)))
+        new_tokens = dict(zip(result.req_ids, result.sampled_token_ids))
+        touched = self.scheduler.update(step.sched_out, new_tokens)
+        if self.drafter is not None:
+            for sched in step.sched_out.scheduled:
+                tokens = new_tokens.get(sched.request_id)
+                if sched.spec_token_ids and tokens:
+                    self.drafter.observe(len(sched.spec_token_ids), len(tokens) - 1)
         stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
         if stops:
             self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
@@ -350,7 +361,7 @@ class LLMEngine:
         self.proposer = proposer
 
     def _propose(self) -> None:
-        running = [r for r in self.scheduler.running if accepts_drafts(r.sampling_params)]
+        running = self.scheduler.running
         if running:
             drafts = self.proposer.propose(running)
             if drafts:

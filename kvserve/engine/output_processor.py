@@ -140,7 +140,8 @@ class OutputProcessor:
             lp = runner_out.logprobs.get(req.request_id)
             if lp is not None and state.logprobs is not None:
                 num = self._num_alternatives(req.sampling_params.logprobs)
-                for j, rank in enumerate(lp.ranks):
+                # A stop inside an accepted run keeps only the tokens up to it: their logprobs too.
+                for j, rank in enumerate(lp.ranks[:len(new_ids)]):
                     state.logprobs.append(self._logprob_dict(
                         lp.token_ids[j], lp.logprobs[j], rank, num, req.sampling_params.detokenize))
                     state.cumulative_logprob += lp.logprobs[j][0]

@@ -107,8 +107,14 @@ class NgramProposer:
         drafts = {}
         if k <= 0:
             return drafts
+        seen = set()
         for request in requests:
+            seen.add(request.request_id)
             draft = self._lookup(self._sync(request), k)
             if draft:
                 drafts[request.request_id] = draft
+        # Requests no longer offered (finished, aborted, preempted) give their index back; a resumed one
+        # is indexed again from its tokens.
+        for rid in [r for r in self._requests if r not in seen]:
+            del self._requests[rid]
         return drafts
