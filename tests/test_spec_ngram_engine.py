@@ -24,7 +24,7 @@ def _run(path, params, num_prompts=3, **flags):
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[:num_prompts]], params, use_tqdm=False)
         assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_blocks
-        stats = engine.drafter.take_stats() if engine.drafter is not None else None
+        stats = engine.drafter.totals if engine.drafter is not None else None
         return outs, stats
     finally:
         engine.shutdown()
@@ -43,6 +43,10 @@ def test_ngram_gives_the_tokens_of_a_run_without_it(tiny_model_factory, flags):
     got, stats = _run(path, params, speculative_config=NGRAM, **flags)
     assert _tokens(got) == _tokens(expected)
     assert stats.num_drafts >= 5 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # Per request in RequestOutput.metrics: the same drafts; accepted ones past max_tokens are not counted.
+    assert sum(o.metrics.num_draft_tokens for o in got) == stats.num_draft_tokens
+    assert 0 < sum(o.metrics.num_accepted_tokens for o in got) <= stats.num_accepted_tokens
+    assert all(o.metrics.num_draft_tokens == 0 for o in expected)
 
 
 def test_penalties_and_logprobs_with_ngram(tiny_model_factory):

@@ -31,6 +31,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.drafter import Drafter
 from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.stats import SpecDecodeStats
 from kvserve.worker import memory
 from kvserve.worker.runner_output import PendingOutput
 from kvserve.worker.sampling_metadata import sampling_inputs_valid
@@ -54,6 +55,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
+    # Speculative decoding (None when off): acceptance totals since start, and drafts per request now.
+    spec_decode: SpecDecodeStats | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -377,5 +381,7 @@ class LLMEngine:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
+            spec_decode=self.drafter.totals.copy() if self.drafter is not None else None,
+            num_speculative_tokens=self.drafter.last_choice.num_draft_tokens if self.drafter is not None else None,
         )
 

@@ -181,6 +181,8 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
+            parent.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
+            parent.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now

@@ -27,7 +27,7 @@ class Drafter:
         self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.budget = DraftBudget(spec.num_speculative_tokens,
                                   saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]))
-        self.stats = SpecDecodeStats()  # since the last `take_stats`
+        self.totals = SpecDecodeStats()  # since start: /metrics counters and the log line take differences
         self.last_choice = BudgetChoice(spec.num_speculative_tokens, "on")
 
     def propose(self, requests: Sequence) -> dict[str, list[int]]:
@@ -43,8 +43,4 @@ class Drafter:
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verify result."""
         self.budget.record(num_draft_tokens, num_accepted)
-        self.stats.observe(num_draft_tokens, num_accepted)
-
-    def take_stats(self) -> SpecDecodeStats:
-        stats, self.stats = self.stats, SpecDecodeStats()
-        return stats
+        self.totals.observe(num_draft_tokens, num_accepted)

@@ -39,6 +39,17 @@ class SpecDecodeStats:
             else:
                 self.accepted_per_pos.append(n)
 
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))
+
+    def since(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        """The counts added after `earlier` (an older copy of the same running totals)."""
+        per_pos = [n - (earlier.accepted_per_pos[j] if j < len(earlier.accepted_per_pos) else 0)
+                   for j, n in enumerate(self.accepted_per_pos)]
+        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
+
     @property
     def mean_acceptance_length(self) -> float | None:
         """Tokens per verify step of a request with drafts: the accepted drafts plus the one sampled after."""
