@@ -107,6 +107,7 @@ class LLMEngine:
         # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
+        self._drafting_now = False  # this step's decision (LLMEngine._drafting)
         if config.args.speculative_config is not None:
             self.drafter = Drafter(config.args.speculative_config, config.device)
             self.proposer = self.drafter
@@ -252,7 +253,8 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self._in_flight is not None and (self._needs_history or self.proposer is not None):
+        self._drafting_now = self._drafting()
+        if self._in_flight is not None and (self._needs_history or self._drafting_now):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self.scheduler.schedule()
@@ -298,6 +300,7 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
+        self._drafting_now = self._drafting()
         sched_out = self.scheduler.schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
@@ -355,9 +358,17 @@ class LLMEngine:
         if stops:
             self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
         outputs = self.output_processor.make_outputs()
-        if self.proposer is not None:
+        if self._drafting_now:
             self._propose()
         return outputs
+
+    def _drafting(self) -> bool:
+        """Decided once per step: whether the coming steps verify drafts. They then run one at a time (a
+        proposer needs each step's tokens); while the draft budget has speculation off, steps stay
+        asynchronous."""
+        if self.proposer is None:
+            return False
+        return self.drafter is None or self.drafter.decide(len(self.scheduler.running)).num_draft_tokens > 0
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
@@ -365,7 +376,9 @@ class LLMEngine:
         self.proposer = proposer
 
     def _propose(self) -> None:
-        running = self.scheduler.running
+        # Requests with a step in flight (async scheduling, pipeline batches) are left out: their drafts
+        # would start at the wrong position.
+        running = [r for r in self.scheduler.running if not r.num_pending_outputs]
         if running:
             drafts = self.proposer.propose(running)
             if drafts:

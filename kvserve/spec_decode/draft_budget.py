@@ -74,17 +74,18 @@ class DraftBudget:
                 best_k, best_gain = k, gain
         return best_k, best_gain
 
+    def would_draft(self, batch_size: int) -> bool:
+        """Whether drafts could pay at this batch size at all (one draft, always right)."""
+        return batch_size >= 1 and 2.0 / self.relative_cost(batch_size, 1) >= self.min_gain
+
     def choose(self, batch_size: int) -> BudgetChoice:
         """Drafts per request for a step of `batch_size` decoding requests."""
-        if batch_size < 1:
+        if not self.would_draft(batch_size):
             return BudgetChoice(0, "batch size")
         k, gain = self._best(batch_size)
         if k > 0 and gain >= self.min_gain:
             self._steps_off = 0
             return BudgetChoice(k, "on")
-        # Off. Would it pay at this batch size with perfect drafts? If not, the batch is the reason.
-        if 2.0 / self.relative_cost(batch_size, 1) < self.min_gain:  # one draft, always right
-            return BudgetChoice(0, "batch size")
         self._steps_off += 1
         if self._steps_off >= self.probe_interval:
             self._steps_off = 0

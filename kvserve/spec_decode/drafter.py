@@ -17,6 +17,9 @@ logger = logging.getLogger("kvserve.spec_decode")
 # Tokens per step past which a step's GEMMs stop being bound by reading the weights: on a GPU a decode
 # step costs about the same up to ~128 tokens; on a CPU the arithmetic dominates after a few.
 SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
+# Gain a step with drafts must promise: on CUDA drafting steps also give up async scheduling's overlap of
+# host work with the GPU (steps run one at a time), a few percent at large batches.
+MIN_GAIN = {"cuda": 1.08, "cpu": 1.03}
 
 
 class Drafter:
@@ -26,19 +29,23 @@ class Drafter:
         self.spec = spec
         self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.budget = DraftBudget(spec.num_speculative_tokens,
-                                  saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]))
+                                  saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]),
+                                  min_gain=MIN_GAIN.get(device_type, MIN_GAIN["cuda"]))
         self.totals = SpecDecodeStats()  # since start: /metrics counters and the log line take differences
         self.last_choice = BudgetChoice(spec.num_speculative_tokens, "on")
 
-    def propose(self, requests: Sequence) -> dict[str, list[int]]:
-        choice = self.budget.choose(len(requests))
+    def decide(self, batch_size: int) -> BudgetChoice:
+        """Once per step: the draft tokens per request for the coming steps of `batch_size` requests."""
+        choice = self.budget.choose(batch_size)
         if choice.reason != self.last_choice.reason:
             logger.info("speculative decoding: %d draft tokens per request (%s; %d running; %s)",
-                        choice.num_draft_tokens, choice.reason, len(requests), self.budget.describe())
+                        choice.num_draft_tokens, choice.reason, batch_size, self.budget.describe())
         self.last_choice = choice
-        if not choice.num_draft_tokens:
-            return {}
-        return self.proposer.propose(requests, choice.num_draft_tokens)
+        return choice
+
+    def propose(self, requests: Sequence) -> dict[str, list[int]]:
+        k = self.last_choice.num_draft_tokens
+        return self.proposer.propose(requests, k) if k else {}
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verify result."""
