@@ -74,3 +74,26 @@ def test_seeded_sampling_with_ngram_is_reproducible(tiny_model_factory):
     second, _ = _run(path, params, speculative_config=NGRAM)
     assert _tokens(first) == _tokens(second)
     assert stats.num_drafts >= 5 and stats.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_smollm2_rewrite_with_ngram_is_exact_and_accepts_drafts():
+    """The real SmolLM2 on a prompt-lookup task: identical greedy text, and many drafts accepted."""
+    passage = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+               "the members agreed that the library would receive additional funds for new books.")
+    params = SamplingParams(max_tokens=48, temperature=0)
+    texts, stats = {}, None
+    for name, flags in (("off", {}), ("ngram", {"speculative_config": NGRAM})):
+        llm = LLM(max_model_len=512, **flags)
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": f"Repeat this passage exactly:\n\n{passage}"}], tokenize=False,
+            add_generation_prompt=True)
+        try:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            texts[name] = (out.outputs[0].text, list(out.outputs[0].token_ids))
+            if llm.llm_engine.drafter is not None:
+                stats = llm.llm_engine.drafter.totals
+        finally:
+            llm.llm_engine.shutdown()
+    assert texts["ngram"] == texts["off"]
+    assert stats.num_accepted_tokens >= 10 and stats.mean_acceptance_length > 1.5
