@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.core.block_pool import hash_block_tokens
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import FREED, KVCacheManager, cdiv, first_block_in_window
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -62,6 +62,8 @@ class Cfg:
     swap_cost: float = 1.0
     # Pipeline parallelism: up to this many batches in flight, each request in at most one (0: off).
     pipeline_depth: int = 0
+    # A model whose every layer sees its last `sliding_window` positions: blocks behind it are freed.
+    sliding_window: int | None = None
 
     @property
     def max_unapplied(self) -> int:
@@ -85,7 +87,8 @@ class Harness:
     def __init__(self, cfg: Cfg, seed: int = 0, token_fn: Callable[[str, list[int]], int] | None = None):
         self.cfg = cfg
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
-                                 **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}))
+                                 **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}),
+                                 **({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}))
         swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
                     swap_seconds_per_block=cfg.swap_cost) if cfg.preemption_mode != "recompute" else {}
         self.sched = Scheduler(
@@ -263,8 +266,14 @@ class Harness:
             else:
                 assert s.request_id in self.runner_tables, "continuing request unknown to the runner"
                 self.runner_tables[s.request_id] += s.new_block_ids
-            # The runner's incrementally built table matches the manager's.
-            assert self.runner_tables[s.request_id] == self.kv.block_ids(s.request_id)
+            # The runner's incrementally built table matches the manager's, from the step's window on;
+            # with a window, exactly the blocks before it are freed.
+            lo = first_block_in_window(s.start_pos, bs, self.cfg.sliding_window)
+            table_now = self.kv.block_ids(s.request_id)
+            assert len(self.runner_tables[s.request_id]) == len(table_now)
+            assert self.runner_tables[s.request_id][lo:] == table_now[lo:]
+            held = self.kv.req_to_blocks[s.request_id]
+            assert all(b is FREED for b in held[:lo]) and all(b is not FREED for b in held[lo:])
         # All K/V writes of the step, then all reads (attention), as in one forward pass.
         for s in out.scheduled:
             table = self.runner_tables[s.request_id]
@@ -280,11 +289,15 @@ class Harness:
                 slots = self.physical.setdefault(table[pos // bs], [None] * bs)
                 slots[pos % bs] = tok
         sampled, self.last_sampled = {}, {}
+        w = self.cfg.sliding_window
         for s in out.scheduled:
             end = s.start_pos + len(s.token_ids)
             truth = self._truth(s.request)  # known tokens + those sampled by the step in flight
-            attended = self._read(self.runner_tables[s.request_id], end)
-            assert len(truth) >= end and attended == truth[:end], f"{s.request_id} would attend to wrong K/V"
+            # Every position some query of the step sees (with a window, from the first query's window on).
+            first = 0 if w is None else max(0, s.start_pos - w + 1)
+            seen = self._read(self.runner_tables[s.request_id], end, first)
+            assert len(truth) >= end and seen == truth[first:end], f"{s.request_id} would attend to wrong K/V"
+            attended = seen[max(0, end - w) - first:] if w is not None else seen  # the sampling query's keys
             if s.needs_sample:
                 tok = self.token_fn(s.request_id, attended) if self.token_fn else self.rng.randrange(ALPHABET)
                 sampled[s.request_id] = tok
@@ -295,9 +308,9 @@ class Harness:
         bs = self.cfg.block_size
         return [self.cpu_physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
 
-    def _read(self, table: list[int], n: int) -> list:
+    def _read(self, table: list[int], n: int, first: int = 0) -> list:
         bs = self.cfg.block_size
-        return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
+        return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(first, n)]
 
     def _apply(self) -> None:
         """scheduler.update() on the oldest unapplied step, checking exactly what it changes."""
@@ -479,7 +492,7 @@ class Harness:
         assert live == set(sched.requests)
         assert all(sched.requests[r.request_id] is r for r in waiting + running)
         # Every block is either free or held by some request table.
-        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b is not FREED}
         assert kv.pool.num_free_blocks + len(held) == c.num_blocks
         assert set(kv.pool._free).isdisjoint(held)
         # Only running requests hold blocks (waiting/preempted/finished ones hold none).
@@ -516,8 +529,11 @@ class Harness:
                 assert r.num_computed_tokens == r.num_tokens + r.num_pending_outputs - 1
             assert r.num_computed_tokens <= c.max_model_len
             # The K/V this request has computed is really there, untouched by anyone else (tokens in
-            # flight included: the runner filled them in from the device).
-            assert self._read(table, r.num_computed_tokens) == self._truth(r)[: r.num_computed_tokens]
+            # flight included: the runner filled them in from the device); with a window, the blocks
+            # it still holds.
+            first = sum(1 for b in kv.req_to_blocks[r.request_id] if b is FREED) * c.block_size
+            assert all(b is not FREED for b in kv.req_to_blocks[r.request_id][first // c.block_size:])
+            assert self._read(table, r.num_computed_tokens, first) == self._truth(r)[first: r.num_computed_tokens]
         for rid, r in self.all.items():
             if r.is_finished:
                 assert rid not in sched.requests and rid not in kv.req_to_blocks
@@ -583,8 +599,9 @@ def configs(draw):
         if preemption != "recompute":
             swap = dict(preemption_mode=preemption, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
                         swap_cost=draw(st.sampled_from([0.01, 1.0, 100.0]), label="swap_cost"))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)), label="sliding_window")
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
-               mode == "async", pipeline_depth=depth, **swap)
+               mode == "async", pipeline_depth=depth, sliding_window=window, **swap)
 
 
 def tokens(min_size: int, max_size: int):

@@ -212,7 +212,8 @@ class Scheduler:
         # Tokens whose K/V the sibling has, or writes in this step (before any attention reads them).
         if src.num_computed_tokens < num_blocks * bs:
             return _WAIT
-        return self.kv.shared_blocks(src.request_id, num_blocks), num_blocks * bs
+        blocks = self.kv.shared_blocks(src.request_id, num_blocks)
+        return None if blocks is None else (blocks, num_blocks * bs)
 
     def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool,
                    drafts: list[int] = ()) -> ScheduledRequest:

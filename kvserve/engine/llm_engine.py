@@ -32,9 +32,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.drafter import Drafter
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.spec_decode.stats import SpecDecodeStats
-from kvserve.worker import memory
-from kvserve.worker.runner_output import PendingOutput
-from kvserve.worker.sampling_metadata import sampling_inputs_valid
+from kvserve.units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     sched_out: SchedulerOutput
     scheduled_time: float
-    pending: PendingOutput
+    pending: object  # the executor's launched step: result() -> RunnerOutput
 
 
 @dataclass
@@ -86,7 +84,8 @@ class LLMEngine:
             logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"),
+                                               sliding_window=config.model_config.kv_cache_window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -130,7 +129,7 @@ class LLMEngine:
         args = self.config.args
         bytes_per_block = self.executor.kv_bytes_per_block
         mode = getattr(args, "preemption_mode", "recompute")
-        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        num_cpu_blocks = int(args.swap_space * GiB) // bytes_per_block if mode != "recompute" else 0
         if mode != "recompute" and num_cpu_blocks == 0:
             logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
                            bytes_per_block)
@@ -160,7 +159,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    group: str | None = None) -> str:
+        """`group`: the API request this prompt came from (several prompts share one); admission takes turns
+        across groups. Default: the request's own."""
         arrival = time.time()
         params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -173,18 +175,13 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(
-                f"The prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len} "
-                f"(max_model_len). Shorten the prompt or raise --max-model-len."
-            )
+        self.scheduler.check_fits(len(token_ids))  # the prompt-length limits, checked in one place
         self._resolve_params(params)
         samples = self._fan_out(request_id, params)
         first_id = samples[0][0]
         requests = [
             Request(sample_id, token_ids, sample_params, eos_token_id=self.eos_token_id,
-                    prefix_source_id=None if sample_id == first_id else first_id)
+                    prefix_source_id=None if sample_id == first_id else first_id, group_id=group or request_id)
             for sample_id, sample_params in samples
         ]
         added = []
@@ -264,7 +261,7 @@ class LLMEngine:
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         if not sched_out.is_empty:
-            memory.maybe_inject_oom("step")
+            self.executor.maybe_inject_step_oom()
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -285,7 +282,7 @@ class LLMEngine:
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
-        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s.request, vocab)}
+        culprits = self.executor.invalid_sampling_requests([s.request for s in scheduled], vocab)
         if not culprits:
             culprits = {s.request_id for s in scheduled}
         parents = {self.output_processor.samples[c].parent.request_id for c in culprits

@@ -35,9 +35,15 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
     _die_with_parent(rank)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    # The engine decides when workers stop (it joins them, and kills one that does not stop).
+    from kvserve.child_signals import ignore_group_signals
+
+    ignore_group_signals()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from kvserve import log_safety
+
+    log_safety.install()
     send_lock = threading.Lock()
 
     def send(obj) -> None:

@@ -81,20 +81,31 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return _FastGGUFReader(path)
     except Exception:
-        # The fast path leans on a gguf-py internal; the stock reader is always correct and
-        # re-raises any genuine problem with the file.
+        pass
+    # The fast path leans on a gguf-py internal; the stock reader is always correct and raises any
+    # genuine problem with the file, which gguf-py reports without naming it.
+    try:
         return GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ValueError, struct.error, IndexError...: all mean a bad file
+        raise ValueError(f"{path} cannot be read as a GGUF file ({type(e).__name__}: {e}); it is truncated "
+                         f"or corrupt: download it again.") from None
 
 
 def _as_reader(source: GGUFSource) -> GGUFReader:
     return source if isinstance(source, GGUFReader) else open_gguf(source)
 
 
+def _file_name(reader: GGUFReader) -> str:
+    return str(getattr(reader.data, "filename", None) or "the GGUF file")
+
+
 def _metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
     field = reader.get_field(key)
     if field is None:
         if default is _MISSING:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
+            raise ValueError(f"{_file_name(reader)}: GGUF metadata key {key!r} is missing")
         return default
     return field.contents()
 
@@ -104,7 +115,8 @@ def _architecture(reader: GGUFReader) -> tuple[str, _ArchSpec]:
     spec = _ARCHS.get(arch)
     if spec is None:
         raise ValueError(
-            f"Unsupported GGUF architecture {arch!r}; kvserve can load: {', '.join(sorted(_ARCHS))}."
+            f"{_file_name(reader)}: Unsupported GGUF architecture {arch!r}; kvserve can load: "
+            f"{', '.join(sorted(_ARCHS))}."
         )
     return arch, spec
 
@@ -210,7 +222,10 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
     _, spec = _architecture(reader)
     config = read_gguf_config(reader) if spec.permute_qk else None
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        try:
+            hf_name = gguf_to_hf_name(tensor.name)
+        except ValueError as e:
+            raise ValueError(f"{_file_name(reader)}: {e}") from None
         weights = _dequantize_tensor(tensor)
         if config is not None and ".attn_q." in tensor.name:
             weights = _unpermute_qk(weights, config["num_attention_heads"])

@@ -16,7 +16,7 @@ from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
-from kvserve.worker.memory_plan import mixed_graph_sizes
+from kvserve.sizing.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
