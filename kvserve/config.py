@@ -117,7 +117,7 @@ class EngineArgs:
                                    f"(GiB), or use --preemption-mode recompute.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
-        from kvserve.spec_decode.spec_config import check_runnable, parse_speculative_config
+        from kvserve.speculative_config import check_runnable, parse_speculative_config
 
         # Parsed once, here: from now on the field holds a SpeculativeConfig (or None).
         self.speculative_config = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)

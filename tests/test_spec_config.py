@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import EngineArgs
-from kvserve.spec_decode import spec_config
-from kvserve.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
+from kvserve import speculative_config as spec_config
+from kvserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
 def test_ngram_defaults_are_vllms():

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvserve.spec_decode.draft_budget import BudgetChoice, DraftBudget
 from kvserve.spec_decode.ngram_proposer import NgramProposer
-from kvserve.spec_decode.spec_config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("kvserve.spec_decode")
