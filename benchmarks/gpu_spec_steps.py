@@ -12,11 +12,14 @@ printed last; results go to DIR/gpu_spec_steps.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import tempfile
 import time
+
+import torch
 
 CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
@@ -89,7 +92,9 @@ def main() -> None:
             print(row, flush=True)
         engine.set_proposer(None)
         engine.shutdown()
-        del llm
+        del llm, engine, sched
+        gc.collect()  # the engine's memory goes back before the next one sizes its KV cache
+        torch.cuda.empty_cache()
     results["rows"] = rows
     with open(os.path.join(args.out, "gpu_spec_steps.json"), "w") as f:
         json.dump(results, f, indent=1)

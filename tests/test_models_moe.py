@@ -219,7 +219,7 @@ def test_memory_plan_counts_each_ranks_moe_weights(moe_model, monkeypatch, arch,
     """The plan's per-rank weight bytes equal the parameters the model builds on that rank."""
     from kvserve.distributed import parallel_state
     from kvserve.model.registry import model_class
-    from kvserve.worker import memory_plan
+    from kvserve.sizing import memory_plan
 
     cfg = ModelConfig.from_path(moe_model(arch)[0])
     monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
@@ -264,3 +264,87 @@ def test_triton_fused_moe_path_in_the_engine_matches_hf(moe_model):
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     assert run["preemptions"] > 0 and run["prefix_hits"] > 0
     assert run["tokens"] == hf_greedy(hf_model, _scheduling_prompts(), MAX_TOKENS)
+
+
+def _write_gguf(hf_model, gguf_arch: str, path) -> None:
+    """The HF model as llama.cpp's converter lays it out (F32): per-layer names, experts stacked [E, out, in],
+    llama's q/k rows interleaved for its rope. Read from what save_pretrained writes (one tensor per expert;
+    transformers 5 holds them fused in memory)."""
+    import tempfile
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from kvserve.model import gguf_loader
+
+    cfg = hf_model.config
+    to_gguf = {v: k for k, v in {**gguf_loader._LAYER_TENSORS, **gguf_loader._EXPERT_TENSORS}.items()}
+    mixtral = {"block_sparse_moe.gate": "mlp.gate", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for key, value in (("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("block_count", cfg.num_hidden_layers), ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", head_dim),
+                       ("context_length", cfg.max_position_embeddings), ("vocab_size", cfg.vocab_size),
+                       ("expert_count", experts), ("expert_used_count", cfg.num_experts_per_tok),
+                       ("expert_feed_forward_length", getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))):
+        writer.add_uint32(f"{gguf_arch}.{key}", value)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        writer.add_uint32(f"{gguf_arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    writer.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{gguf_arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        state = load_file(f"{tmp}/model.safetensors")
+    for name, tensor in state.items():
+        w = tensor.float().numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            writer.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+                               "output_norm.weight", "lm_head.weight": "output.weight"}[name], w)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        for old, new in mixtral.items():
+            rest = rest.replace(f"{old}.", f"{new}.")
+        rest = rest.replace("block_sparse_moe.experts.", "mlp.experts.")
+        if rest.startswith("mlp.experts."):
+            _, _, e, proj, _ = rest.split(".")
+            stacks.setdefault((int(layer), to_gguf[proj]), {})[int(e)] = w
+            continue
+        module, suffix = rest.rsplit(".", 1)
+        if gguf_arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's permute
+            heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if module == "mlp.shared_expert_gate":
+            w = w.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
+        writer.add_tensor(f"blk.{layer}.{to_gguf[module]}.{suffix}", w)
+    for (layer, kind), per_expert in stacks.items():
+        writer.add_tensor(f"blk.{layer}.{kind}.weight", np.stack([per_expert[e] for e in sorted(per_expert)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_moe_gguf_matches_hf(moe_model, tmp_path, arch, gguf_arch):
+    """A GGUF of each MoE family (llama.cpp's names, experts stacked; every layer sparse, as llama.cpp requires)
+    gives HF's greedy tokens of the same weights."""
+    import transformers
+
+    hf_dir, _ = moe_model(arch)
+    overrides = {"mlp_only_layers": [], "decoder_sparse_step": 1} if arch != "mixtral" else {}
+    torch.manual_seed(5)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        type(_hf_config(arch))(**{**_hf_config(arch).to_dict(), **overrides})).eval()
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(hf_model, gguf_arch, path)
+    cfg = ModelConfig.from_path(path)
+    assert cfg.architecture == hf_model.config.architectures[0] and cfg.num_moe_layers == 3
+    prompts = random_prompts(4, 1, 60, seed=3)
+    llm = LLM(str(path), tokenizer=hf_dir, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_model, prompts, 8)

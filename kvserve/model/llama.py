@@ -139,6 +139,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg, quant_config, f"{prefix}.mlp")
         else:
             self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
+        # The linear that reads the post-attention norm's output: none for a MoE block (router, experts and a
+        # shared expert all read it).
+        self.mlp_input_linear = getattr(self.mlp, "gate_up_proj", None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -150,7 +153,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, consumer=self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=self.mlp.gate_up_proj)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=self.mlp_input_linear)
         return self.mlp(hidden), residual
 
 

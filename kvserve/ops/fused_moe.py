@@ -83,7 +83,8 @@ def _get_align_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Sizes that change with every step's token count are not specialised on (no recompiles mid-run).
+    @triton.jit(do_not_specialize=["P", "capacity", "num_blocks"])
     def moe_align(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, capacity, num_blocks,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
         """align_block_size in one program: count pairs per expert (atomics), each expert's padded start
@@ -165,7 +166,7 @@ def _get_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "capacity"])
     def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, b_scale_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
                          num_rows_ptr, N, K, num_pairs, capacity,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,

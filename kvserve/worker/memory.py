@@ -93,7 +93,8 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
 
 def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
     tp, pp = parallel_sizes(config)
-    return memory_plan.rank_shapes(config.model_config, tp, pp, getattr(config.args, "enable_expert_parallel", False))[stage]
+    expert_parallel = getattr(config.args, "enable_expert_parallel", False)
+    return memory_plan.rank_shapes(config.model_config, tp, pp, expert_parallel)[stage]
 
 
 def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:
