@@ -60,6 +60,8 @@ class EngineArgs:
     pp_layer_partition: str | None = field(default=None, metadata={"help": "Decoder layers per pipeline stage, e.g. \"20,12\" (default: $KVSERVE_PP_LAYER_PARTITION or $VLLM_PP_LAYER_PARTITION, else even).", "group": "Parallel"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE layers: place whole experts on the tensor-parallel ranks (each rank holds num_experts / tp of them) instead of splitting every expert's intermediate features over the ranks. Attention stays tensor-parallel.", "group": "Parallel", "aliases": ["-ep"]})
     disable_custom_all_reduce: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve's all-reduce is torch.distributed's (NCCL on GPU, gloo on CPU).", "group": "Parallel"})
+    # Speculative decoding
+    speculative_config: str | dict | None = field(default=None, metadata={"help": "Speculative decoding, as a JSON object in vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: ngram (prompt lookup), draft_model (\"model\": a smaller model with the same tokenizer), eagle3 (\"model\": an EAGLE-3 head).", "group": "Speculative decoding", "aliases": ["-sc"]})
 
     def __post_init__(self):
         self._validate_static()
@@ -115,6 +117,11 @@ class EngineArgs:
                                    f"(GiB), or use --preemption-mode recompute.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
+        from kvserve.speculative_config import check_runnable, parse_speculative_config
+
+        # Parsed once, here: from now on the field holds a SpeculativeConfig (or None).
+        self.speculative_config = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
+        check_runnable(self.speculative_config)
 
     @property
     def world_size(self) -> int:

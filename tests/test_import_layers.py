@@ -1,7 +1,8 @@
 """The package's layering, read from the source: no module imports from a layer above its own, and the
 modules' top-level imports have no cycle. Layers, bottom up (a layer may import its own and lower ones):
 
-  0  core (pure Python), units, sizing, sampling_params, outputs, inputs, background, log_safety, child_signals
+  0  core (pure Python), units, sizing, sampling_params, speculative_config, outputs, inputs, background,
+     log_safety, child_signals
   1  distributed, ops (kernels)
   2  model
   3  config (the engine configuration, resolved from the model's files)
@@ -23,7 +24,7 @@ import kvserve
 
 LAYERS = {
     "core": 0, "units": 0, "sizing": 0, "sampling_params": 0, "outputs": 0, "inputs": 0, "background": 0,
-    "log_safety": 0, "child_signals": 0,
+    "log_safety": 0, "child_signals": 0, "speculative_config": 0,
     "distributed": 1, "ops": 1,
     "model": 2,
     "config": 3,

@@ -56,6 +56,9 @@ class Request:
     # (its token count is unknown until update, so the request is not scheduled again before then).
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_in_flight: int = 0
+    # Drafts this request had verified, and how many of them were accepted (RequestOutput.metrics).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Output tokens the workers have been sent (step messages carry only the ones after these).
     num_output_tokens_sent: int = 0
     # Chained hashes of this request's full blocks, extended as tokens arrive.

@@ -338,6 +338,8 @@ class Scheduler:
             if num_drafts:
                 self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += num_appended - 1
+                req.num_draft_tokens += num_drafts
+                req.num_accepted_tokens += num_appended - 1
             if stop is not None:
                 req.status, reason = stop
                 if reason is not None:

@@ -29,7 +29,9 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.proposer import Proposer, accepts_drafts
+from kvserve.spec_decode.drafter import Drafter
+from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.stats import SpecDecodeStats
 from kvserve.units import GiB
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
+    # Speculative decoding (None when off): acceptance totals since start, and drafts per request now.
+    spec_decode: SpecDecodeStats | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -100,6 +105,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
         # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
+        self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
+        self._drafting_now = False  # this step's decision (LLMEngine._drafting)
+        if config.args.speculative_config is not None:
+            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
@@ -240,7 +250,8 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self._in_flight is not None and (self._needs_history or self.proposer is not None):
+        self._drafting_now = self._drafting()
+        if self._in_flight is not None and (self._needs_history or self._drafting_now):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self.scheduler.schedule()
@@ -286,6 +297,7 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
+        self._drafting_now = self._drafting()
         sched_out = self.scheduler.schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
@@ -332,14 +344,28 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
-        touched = self.scheduler.update(step.sched_out, dict(zip(result.req_ids, result.sampled_token_ids)))
+        new_tokens = dict(zip(result.req_ids, result.sampled_token_ids))
+        touched = self.scheduler.update(step.sched_out, new_tokens)
+        if self.drafter is not None:
+            for sched in step.sched_out.scheduled:
+                tokens = new_tokens.get(sched.request_id)
+                if sched.spec_token_ids and tokens:
+                    self.drafter.observe(len(sched.spec_token_ids), len(tokens) - 1)
         stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
         if stops:
             self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
         outputs = self.output_processor.make_outputs()
-        if self.proposer is not None:
+        if self._drafting_now:
             self._propose()
         return outputs
+
+    def _drafting(self) -> bool:
+        """Decided once per step: whether the coming steps verify drafts. They then run one at a time (a
+        proposer needs each step's tokens); while the draft budget has speculation off, steps stay
+        asynchronous."""
+        if self.proposer is None:
+            return False
+        return self.drafter is None or self.drafter.decide(len(self.scheduler.running)).num_draft_tokens > 0
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
@@ -347,7 +373,9 @@ class LLMEngine:
         self.proposer = proposer
 
     def _propose(self) -> None:
-        running = [r for r in self.scheduler.running if accepts_drafts(r.sampling_params)]
+        # Requests with a step in flight (async scheduling, pipeline batches) are left out: their drafts
+        # would start at the wrong position.
+        running = [r for r in self.scheduler.running if not r.num_pending_outputs]
         if running:
             drafts = self.proposer.propose(running)
             if drafts:
@@ -363,5 +391,7 @@ class LLMEngine:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
+            spec_decode=self.drafter.totals.copy() if self.drafter is not None else None,
+            num_speculative_tokens=self.drafter.last_choice.num_draft_tokens if self.drafter is not None else None,
         )
 

@@ -140,7 +140,8 @@ class OutputProcessor:
             lp = runner_out.logprobs.get(req.request_id)
             if lp is not None and state.logprobs is not None:
                 num = self._num_alternatives(req.sampling_params.logprobs)
-                for j, rank in enumerate(lp.ranks):
+                # A stop inside an accepted run keeps only the tokens up to it: their logprobs too.
+                for j, rank in enumerate(lp.ranks[:len(new_ids)]):
                     state.logprobs.append(self._logprob_dict(
                         lp.token_ids[j], lp.logprobs[j], rank, num, req.sampling_params.detokenize))
                     state.cumulative_logprob += lp.logprobs[j][0]
@@ -180,6 +181,8 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
+            parent.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
+            parent.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now

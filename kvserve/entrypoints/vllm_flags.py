@@ -74,7 +74,7 @@ _LORA_OPT = "a LoRA setting, and kvserve has no LoRA adapters"
 _DP = "data parallelism is not supported: run one kvserve server per GPU (or group) behind a load balancer"
 _MULTINODE = "multi-node serving is not supported: kvserve runs on one machine"
 _CP = "context parallelism is not supported"
-_SPEC = "speculative decoding is not supported yet; remove the flag"
+_SPEC = "give speculative decoding as one JSON object: --speculative-config '{\"method\": ..., \"num_speculative_tokens\": ...}'"
 _TOOLS = "tool calling is not supported yet; remove the flag (requests with tools get a 400)"
 _REASONING = "reasoning parsers are not supported yet; the reasoning text stays in the message content"
 _TLS = "TLS is not built in: put a TLS-terminating proxy (nginx, caddy, a cloud load balancer) in front of kvserve"
@@ -300,7 +300,6 @@ REFUSED: dict[str, str] = {
     "--spec-method": _SPEC,
     "--spec-model": _SPEC,
     "--spec-tokens": _SPEC,
-    "--speculative-config": _SPEC,
     "--ssl-ca-certs": _TLS,
     "--ssl-cert-reqs": _TLS,
     "--ssl-certfile": _TLS,

@@ -206,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         # Shared by all layers; registered once here so .to(device) moves it once.
         self.rotary = rotary
         self.rotary_local = rotary_local if rotary_local is not rotary else None
+        # EAGLE-3: the layers whose input residual stream (hidden + residual) forward also returns.
+        self.aux_layer_ids: tuple[int, ...] = ()
 
     @property
     def num_local_layers(self) -> int:
@@ -217,17 +219,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others."""
+        """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others.
+        With `aux_layer_ids` set (an EAGLE-3 head drafts): (final hidden states, [the residual stream entering
+        each of those layers])."""
         if self.is_first_stage:
             hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start_layer:self.end_layer], kv_caches),
+                                              start=self.start_layer):
+            if i in self.aux_layer_ids:
+                aux.append(hidden + residual)  # layer ids >= 1, so a residual exists
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return (hidden, aux) if self.aux_layer_ids else hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -23,9 +23,3 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[RequestView]) -> dict[str, list[int]]:
         """Draft tokens per request id (requests left out get none). Must not modify the requests."""
         ...
-
-
-def accepts_drafts(params) -> bool:
-    """Whether a request's sampling can verify several positions in one step: per-position logprobs and
-    output-history features (penalties, bad words, min_tokens) are computed for one position per step."""
-    return (params.logprobs is None and not params.needs_output_history and not params.min_tokens)

@@ -20,7 +20,7 @@ from kvserve.sizing.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
-from kvserve.worker.spec_verify import verify
+from kvserve.worker.spec_verify import verify_drafts
 from kvserve.worker.step_inputs import StagingBuffer, StepInputs, fill_placeholders
 
 logger = logging.getLogger(__name__)
@@ -293,15 +293,15 @@ class ModelRunner:
         if not layout.sample_states:
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
-        meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
-                                         self.device)
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
         if not layout.has_drafts:
+            meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
+                                             self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
-        sampled, accepted = verify(logits, meta_s, [s.spec_token_ids for s in requests])
-        self.input_batch.record_sampled(sampled, layout)
-        return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, accepted=accepted)
+        verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
+        self.input_batch.record_sampled(verified.row_token_ids, layout)
+        return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

@@ -41,16 +41,17 @@ class PendingOutput:
     behind the step's kernels at once; `result()` waits for them only (not for later steps queued since)."""
 
     def __init__(self, rids: list[str], sampler_out, wants_logprobs: list[bool],
-                 prompt_logprobs: dict | None = None, accepted=None):
-        """`accepted`: instead of `sampler_out`, a step that verified drafts: [B, 1 + k] new tokens per
-        request, padded with -1 (spec_verify.verify)."""
+                 prompt_logprobs: dict | None = None, verified=None):
+        """`verified`: instead of `sampler_out`, a step that verified drafts (spec_verify.VerifyOutput): per
+        request its new tokens, padded with -1, and logprobs with one row per new token."""
         self.rids = rids
         self.wants_logprobs = wants_logprobs
         self.prompt_logprobs = prompt_logprobs or {}
-        self.multi_token = accepted is not None
-        tensors = [accepted] if accepted is not None else [sampler_out.sampled] if sampler_out is not None else []
-        if sampler_out is not None and sampler_out.logprobs is not None:
-            tensors += [sampler_out.logprob_token_ids, sampler_out.logprobs, sampler_out.sampled_ranks]
+        self.multi_token = verified is not None
+        out = verified if verified is not None else sampler_out
+        tensors = [] if out is None else [verified.token_ids if verified is not None else sampler_out.sampled]
+        if out is not None and out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         self.event = None
         if tensors and tensors[0].is_cuda:
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -77,9 +78,12 @@ class PendingOutput:
                 out.sampled_token_ids = [[t] for t in self.host[0].tolist()]
             if len(self.host) > 1:
                 ids, lps, ranks = (t.tolist() for t in self.host[1:])
+                row = 0  # logprobs rows: one per new token, request after request
                 for j, rid in enumerate(self.rids):
+                    n = len(out.sampled_token_ids[j])
                     if self.wants_logprobs[j]:
-                        out.logprobs[rid] = PositionLogprobs([ids[j]], [lps[j]], [ranks[j]])
+                        out.logprobs[rid] = PositionLogprobs(ids[row:row + n], lps[row:row + n], ranks[row:row + n])
+                    row += n
             self._result = out
         return self._result
 
