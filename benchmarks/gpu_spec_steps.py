@@ -66,7 +66,7 @@ def main() -> None:
     rows, results = [], {}
     for name, flags in [("graphs, async", {}), ("eager", dict(enforce_eager=True))]:
         llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
-                  max_num_seqs=16, seed=0, **flags)
+                  max_num_seqs=16, seed=0, gpu_memory_utilization=0.4, **flags)
         engine = llm.llm_engine
 
         def run(llm=llm):
@@ -92,7 +92,7 @@ def main() -> None:
             print(row, flush=True)
         engine.set_proposer(None)
         engine.shutdown()
-        del llm, engine, sched
+        del llm, engine, sched, run
         gc.collect()  # the engine's memory goes back before the next one sizes its KV cache
         torch.cuda.empty_cache()
     results["rows"] = rows
