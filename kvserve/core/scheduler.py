@@ -87,6 +87,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preemptions: list[PreemptionEvent] = field(default_factory=list)
+    # Structured outputs: the int32 [rows, ceil(vocab / 32)] token bitmask of the constrained requests that
+    # sample this step, and request id -> its row; filled by the engine after scheduling (None: no row).
+    grammar_bitmask: object = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -94,9 +98,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, structured_output=None):
+        """structured_output: the StructuredOutputManager that owns the constrained requests' matchers
+        (duck-typed, so this package stays free of torch and of grammar libraries), or None."""
         self.config = config
         self.kv = kv_cache_manager
+        self.structured_output = structured_output
+        self._grammar_failed: list[Request] = []  # finished in schedule(), reported by the next update()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -161,6 +169,9 @@ class Scheduler:
             if self.config.exclusive_batches and req.request_id in self.in_flight:
                 i += 1
                 continue
+            if req.num_pending_outputs and self._constrained(req):
+                i += 1  # its next mask needs the token still in flight
+                continue
             num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
             new_block_ids = None
             while True:
@@ -179,6 +190,7 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short: let it drain).
+        grammar_pending: list[Request] = []  # waiting for their grammar: skipped, not holding up the rest
         while (
             self.waiting
             and budget > 0
@@ -188,6 +200,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
+            if self._constrained(req) and not self._grammar_ready(req):
+                if self.waiting and self.waiting[0] is req:  # still compiling (a failed one is gone)
+                    grammar_pending.append(self.waiting.popleft())
+                continue
             if self.config.exclusive_batches and req.request_id in self.in_flight:
                 break  # preempted while a chunk of it is in flight: resume once that batch is back
             if self.kv.is_swapped(req):
@@ -216,12 +232,27 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=True))
             budget -= num_new
+        self.waiting.extendleft(reversed(grammar_pending))
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         in_flight = self.in_flight
         for sched in out.scheduled:
             in_flight[sched.request_id] = in_flight.get(sched.request_id, 0) + 1
         return out
+
+    def _constrained(self, req: Request) -> bool:
+        so = self.structured_output
+        return so is not None and req.request_id in so
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Whether its grammar is compiled; a grammar that failed finishes the request (aborted)."""
+        status = self.structured_output.status(req.request_id)
+        if status == "failed":
+            self.waiting.popleft()
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(req)
+            self._grammar_failed.append(req)
+        return status == "ready"
 
     def _sibling_prefix(self, req: Request):
         """n > 1: a sample takes its first sibling's full prompt blocks instead of computing its own.
@@ -328,8 +359,9 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the step's sampled tokens and finish requests; returns those touched."""
-        touched = []
+        touched, self._grammar_failed = self._grammar_failed, []
         in_flight = self.in_flight
+        so = self.structured_output
         for sched in out.scheduled:
             left = in_flight.pop(sched.request_id, 1) - 1
             if left:
@@ -342,7 +374,11 @@ class Scheduler:
             if token is None:  # it could never be scheduled again: fail loudly rather than spin
                 raise KeyError(f"the step sampled no token for {sched.request_id!r}, which needed one")
             req.append_output_token(token)
+            grammar_ended = so is not None and req.request_id in so and so.accept_token(req.request_id, token)
             if req.check_stop():
+                self._finish(req)
+            elif grammar_ended:  # the grammar's own end (e.g. its stop token under ignore_eos)
+                req.status = RequestStatus.FINISHED_STOPPED
                 self._finish(req)
             touched.append(req)
         return touched
@@ -365,6 +401,8 @@ class Scheduler:
         elif req in self.waiting:  # preempted while its last step was in flight
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.structured_output is not None:
+            self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
 

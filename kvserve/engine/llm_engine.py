@@ -29,6 +29,7 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.engine_setup import make_structured_output_manager
 from kvserve.worker import memory
 from kvserve.worker.runner_output import PendingOutput
 from kvserve.worker.sampling_metadata import sampling_inputs_valid
@@ -81,6 +82,14 @@ class LLMEngine:
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_cpu_blocks=swap.pop("num_cpu_blocks"))
+        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if self.eos_token_id is None and config.model_config.eos_token_ids:
+            self.eos_token_id = config.model_config.eos_token_ids[0]
+        # The constrained requests' matchers (None without a tokenizer: grammars are over its tokens).
+        self.structured_output = make_structured_output_manager(
+            args, self.tokenizer, config.model_config.vocab_size,
+            [t for t in [self.eos_token_id, *config.model_config.eos_token_ids] if t is not None])
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -91,12 +100,9 @@ class LLMEngine:
                 **swap,
             ),
             self.kv_cache_manager,
+            structured_output=self.structured_output,
         )
         self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
-        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if self.eos_token_id is None and config.model_config.eos_token_ids:
-            self.eos_token_id = config.model_config.eos_token_ids[0]
         self.output_processor = OutputProcessor(
             self.tokenizer, config.model_config.vocab_size,
             finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
@@ -170,6 +176,8 @@ class LLMEngine:
                 f"(max_model_len). Shorten the prompt or raise --max-model-len."
             )
         self._resolve_params(params)
+        if params.structured_outputs is not None and self.structured_output is None:
+            raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
         samples = self._fan_out(request_id, params)
         first_id = samples[0][0]
         requests = [
@@ -182,6 +190,9 @@ class LLMEngine:
             for req in requests:
                 self.scheduler.add_request(req)
                 added.append(req.request_id)
+                if params.structured_outputs is not None:  # its grammar compiles off the step loop meanwhile
+                    self.structured_output.add_request(req.request_id, req.sampling_params.structured_outputs,
+                                                       token_ids)
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
@@ -189,6 +200,15 @@ class LLMEngine:
         if params.needs_output_history:
             self._needs_history.update(added)
         return request_id
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compiles the request's constraint now (cached for the engine), so that an invalid or too costly
+        one is a ValueError for the caller instead of an aborted request later."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_output is None:
+            raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
+        self.structured_output.compiler.compile(params.structured_outputs)
 
     def _resolve_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the model's EOS ids, bad words as token ids, the vocabulary."""
@@ -246,7 +266,7 @@ class LLMEngine:
         if self._in_flight is not None and self._needs_history:
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         self._scheduled_now = (sched_out, self._in_flight.sched_out if self._in_flight is not None else None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
@@ -263,6 +283,13 @@ class LLMEngine:
         else:
             outputs += self._finish(launched)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        sched_out = self.scheduler.schedule()
+        if self.structured_output is not None and sched_out.scheduled:
+            sched_out.grammar_bitmask, sched_out.structured_output_request_ids = \
+                self.structured_output.grammar_bitmask(sched_out.scheduled)
+        return sched_out
 
     def recover_from_failed_step(self) -> list[str]:
         """After step() raised: finds the requests whose own parameters fail a step (each tried alone in the
@@ -289,7 +316,7 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)

@@ -14,6 +14,7 @@ from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
@@ -348,6 +349,15 @@ class ModelRunner:
     def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
         return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
 
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, out: SchedulerOutput, rids: list[str]) -> None:
+        """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
+        mask_row = out.structured_output_request_ids
+        logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
+        if logits_rows:
+            masks = out.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            apply_token_bitmask(logits, masks, logits_rows)
+
     @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
@@ -392,9 +402,11 @@ class ModelRunner:
         if not rows:
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
-        sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
         scheduled = [out.scheduled[i] for i in rows]
         rids = [s.request_id for s in scheduled]
+        if out.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, out, rids)
+        sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
         self.last_sampled = sampler_out.sampled
         self.last_sampled_rows = {rid: j for j, rid in enumerate(rids)}
         wants_logprobs = [s.sampling_params.logprobs is not None for s in scheduled]
