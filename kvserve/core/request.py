@@ -60,6 +60,13 @@ class Request:
     first_scheduled_time: float | None = None
     # n > 1: the sibling sample whose prompt blocks this one shares (by reference count, not by copy).
     prefix_source_id: str | None = None
+    # The API request this sequence belongs to (its prompts x n samples): admission takes turns across
+    # groups (request_queue.py). None: a group of its own.
+    group_id: str | None = None
+
+    @property
+    def fairness_group(self) -> str:
+        return self.group_id if self.group_id is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

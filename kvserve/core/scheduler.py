@@ -12,12 +12,12 @@ model runner reads on the device; `update` then fills in the real id.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request_queue import RequestQueue
 
 _WAIT = object()  # admission of this request must wait for another one to progress
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
@@ -105,7 +105,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.structured_output = structured_output
         self._grammar_failed: list[Request] = []  # finished in schedule(), reported by the next update()
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
@@ -197,11 +197,11 @@ class Scheduler:
             and not out.preempted_req_ids
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
             if self._constrained(req) and not self._grammar_ready(req):
-                if self.waiting and self.waiting[0] is req:  # still compiling (a failed one is gone)
+                if self.waiting and self.waiting.peek() is req:  # still compiling (a failed one is gone)
                     grammar_pending.append(self.waiting.popleft())
                 continue
             if self.config.exclusive_batches and req.request_id in self.in_flight:
@@ -232,7 +232,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=True))
             budget -= num_new
-        self.waiting.extendleft(reversed(grammar_pending))
+        for req in grammar_pending:  # back in the queue, to be asked again next step
+            self.waiting.append(req)
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         in_flight = self.in_flight
@@ -385,21 +386,31 @@ class Scheduler:
 
     # ---- finishing -------------------------------------------------------------------------------
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Abort, or finish for a reason found outside the core (a stop string)."""
+        """Abort, or finish for a reason found outside the core (a stop string). Linear in the number of
+        ids: a waiting request leaves its queue in O(1), and the running list is filtered once."""
+        leaving_running = set()
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req in self.waiting:
-                self.waiting.remove(req)
+            queued = req in self.waiting
             req.status = status
-            self._finish(req)
+            if queued:
+                self.waiting.remove(req)
+            else:
+                leaving_running.add(rid)
+            self._release(req)
+        if leaving_running:
+            self.running = [r for r in self.running if r.request_id not in leaving_running]
 
     def _finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:  # preempted while its last step was in flight
+        if req in self.waiting:  # preempted while its last step was in flight
             self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
         self.kv.free(req)
         if self.structured_output is not None:
             self.structured_output.free(req.request_id)
