@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import llguidance.gbnf_to_lark
 import llguidance.hf
 import llguidance.torch
 
@@ -53,7 +54,10 @@ class GuidanceBackend(GrammarBackend):
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
 
     def compile(self, params) -> CompiledGrammar:
-        grammar = self._grammar(params)
+        try:
+            grammar = self._grammar(params)
+        except Exception as e:  # noqa: BLE001 - whatever the library raises, it refused this constraint
+            raise ValueError(f"llguidance: {' '.join(str(e).split()) or type(e).__name__}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"llguidance: {error.strip()}")
@@ -78,7 +82,7 @@ class GuidanceBackend(GrammarBackend):
         if kind == "grammar":
             text = params.grammar
             if "::=" in text:  # GBNF/EBNF: llguidance reads Lark
-                text = llguidance.gbnf_to_lark(text)
+                text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
             return M.grammar_from_lark(text)
         if kind == "structural_tag":
             raise ValueError("llguidance: structural_tag is compiled by xgrammar only.")

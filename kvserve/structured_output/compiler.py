@@ -75,6 +75,7 @@ class GrammarCompiler:
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
         self.num_compiles = 0  # cache misses (what a test of the cache counts)
+        self._warm_up: Future | None = None
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
@@ -89,8 +90,11 @@ class GrammarCompiler:
     def warm_up(self) -> Future:
         """Imports and builds the backends on the pool now (seconds: the libraries, the tokenizer's tables), so
         that the first request's compile is not charged for them."""
-        names = ("xgrammar", "guidance") if self.config.backend == "auto" else (self.config.backend,)
-        return self._pool.submit(lambda: [self._backend(name) for name in names])
+        with self._lock:
+            if self._warm_up is None:
+                names = ("xgrammar", "guidance") if self.config.backend == "auto" else (self.config.backend,)
+                self._warm_up = self._pool.submit(lambda: [self._backend(name) for name in names])
+            return self._warm_up
 
     def effective(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
         """The request's params with the server-wide options of --structured-outputs-config folded in."""
@@ -119,7 +123,9 @@ class GrammarCompiler:
             return future
 
     def compile(self, params: StructuredOutputsParams, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
-        """Waits for the compile; ValueError when it fails or takes longer than `timeout_s`."""
+        """Waits for the compile; ValueError when it fails or takes longer than `timeout_s` (loading the
+        libraries, once, is not counted)."""
+        self.warm_up().result()
         future = self.submit(params)
         try:
             return future.result(timeout=timeout_s)

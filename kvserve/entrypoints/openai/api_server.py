@@ -42,6 +42,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.tool_parsers import check_tool_flags
 from kvserve.entrypoints.openai.serving_chat import ServingChat
 from kvserve.entrypoints.openai.serving_completion import ServingCompletion
 
@@ -69,6 +70,7 @@ class ServerSettings:
     chat_template_timeout: float = DEFAULT_TIMEOUT_S
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
 
 
 @dataclass
@@ -145,7 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(_GateMiddleware, state=state)  # added last: runs first
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
-                       timeout_s=settings.chat_template_timeout)
+                       timeout_s=settings.chat_template_timeout, tool_call_parser=settings.tool_call_parser)
     state.on_ready = chat.start_renderer
     completion = ServingCompletion(engine, settings.served_model_name)
     add_dashboard_routes(app, engine, metrics, settings.served_model_name)
@@ -304,8 +306,10 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-               chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> int:
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
+    tool_call_parser = check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     settings = ServerSettings(
         served_model_name=config.served_model_name,
         model_path=str(config.model_path),
@@ -319,6 +323,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         chat_template_timeout=chat_template_timeout,
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
+        tool_call_parser=tool_call_parser,
     )
     metrics = EngineMetrics(settings.served_model_name)
     state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)

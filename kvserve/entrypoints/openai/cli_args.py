@@ -10,6 +10,7 @@ import argparse
 
 from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvserve.entrypoints.openai.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.entrypoints.vllm_flags import add_vllm_flags
 
@@ -47,6 +48,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="Seconds one chat template render may take before it is stopped and the request "
                         f"gets 400 (default: {DEFAULT_TIMEOUT_S:g}).")
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+                   help='Let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser. '
+                        '"required" and named tool choices work without it.')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="How the model writes tool calls: hermes | llama3_json | mistral | pythonic.")
 
 
 def add_serve_parser(subparsers) -> None:
@@ -75,4 +81,5 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         enable_log_requests=ns.enable_log_requests, shutdown_timeout=ns.shutdown_timeout,
         trust_request_chat_template=ns.trust_request_chat_template, max_request_body_bytes=ns.max_request_body_bytes,
         header_timeout=ns.header_timeout, chat_template_timeout=ns.chat_template_timeout,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
     )

@@ -95,6 +95,16 @@ class _SamplingFields(_Request):
     best_of: int | None = None
     use_beam_search: bool = False
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
+    # (entrypoints/openai/structured_request.py reads them into one constraint).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def sampling_fields(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
         """Keyword arguments for SamplingParams. None means "the default" (OpenAI clients send nulls)."""
@@ -134,6 +144,9 @@ class _SamplingFields(_Request):
             raise ValueError("best_of different from n is not supported.")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported; use structured_outputs with "
+                             "disable_any_whitespace.")
 
 
 class CompletionRequest(_SamplingFields):
@@ -165,9 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -182,10 +195,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("top_logprobs needs logprobs set to true.")
             if self.top_logprobs < 0:
                 raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("Tool calling is not supported yet.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text (structured output) is not supported yet.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
 

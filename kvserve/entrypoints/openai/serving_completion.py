@@ -49,9 +49,12 @@ class ServingCompletion(ServingBase):
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         items = []
+        constraint = await self.constraint(req)
         for i, p in enumerate(prompts):
             max_tokens = self.max_tokens_for(len(p.token_ids), req.max_tokens)
             fields = req.sampling_fields(max_tokens, req.logprobs)
+            if constraint is not None:
+                fields["structured_outputs"] = constraint
             if req.echo and req.logprobs is not None and "prompt_logprobs" not in fields:
                 fields["prompt_logprobs"] = req.logprobs
             params = self.sampling_params(fields)
