@@ -111,7 +111,7 @@ def plan_vs_engine(results: dict, w1: str) -> list[dict]:
     from kvserve.config import EngineArgs
     from kvserve.entrypoints import plan as plan_cli
     from kvserve.entrypoints.cli import build_parser
-    from kvserve.worker import memory_plan
+    from kvserve.sizing import memory_plan
 
     rows = []
     kv_dtypes = ["auto"]

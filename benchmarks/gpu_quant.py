@@ -143,6 +143,10 @@ def main():
         # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode).
         "fp8-scaled-mm-only": {"quantization": "fp8",
                                KNOBS: {"kvserve.model.quantization.triton_fp8_gemm.MAX_ROWS": 0}},
+        # A/B of the fused activation quantization: RMSNorm and SiLU*mul write bf16 and each FP8 linear
+        # quantizes its own input (one more kernel and one more read + write of every GEMM input).
+        "fp8-unfused-quant": {"quantization": "fp8",
+                              KNOBS: {"kvserve.model.quantization.fp8.FUSE_ACTIVATION_QUANT": False}},
         "kv-fp8": {"kv_cache_dtype": "fp8"},
         "fp8+kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "awq-int4": "awq",

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model.model_config import ModelConfig
+from kvserve.sizing.memory_plan import KV_CACHE_DTYPES
 
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -60,7 +60,10 @@ class EngineArgs:
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages: the layers split over this many device groups (layers per stage: even, or VLLM_PP_LAYER_PARTITION=\"a,b\").", "group": "Parallel", "aliases": ["-pp"]})
     distributed_executor_backend: str | None = field(default=None, metadata={"help": "uni (in this process) | mp (one process per device on this host) | ray (one Ray actor per device, any number of nodes). Default: uni for one device, mp for several.", "group": "Parallel"})
     pp_layer_partition: str | None = field(default=None, metadata={"help": "Decoder layers per pipeline stage, e.g. \"20,12\" (default: $KVSERVE_PP_LAYER_PARTITION or $VLLM_PP_LAYER_PARTITION, else even).", "group": "Parallel"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE layers: place whole experts on the tensor-parallel ranks (each rank holds num_experts / tp of them) instead of splitting every expert's intermediate features over the ranks. Attention stays tensor-parallel.", "group": "Parallel", "aliases": ["-ep"]})
     disable_custom_all_reduce: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve's all-reduce is torch.distributed's (NCCL on GPU, gloo on CPU).", "group": "Parallel"})
+    # Speculative decoding
+    speculative_config: str | dict | None = field(default=None, metadata={"help": "Speculative decoding, as a JSON object in vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: ngram (prompt lookup), draft_model (\"model\": a smaller model with the same tokenizer), eagle3 (\"model\": an EAGLE-3 head).", "group": "Speculative decoding", "aliases": ["-sc"]})
 
     def __post_init__(self):
         self._validate_static()
@@ -105,8 +108,8 @@ class EngineArgs:
         from kvserve.model.quantization import normalize_method
 
         normalize_method(self.quantization)
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {', '.join(_KV_CACHE_DTYPES)}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
         if self.swap_space is None or self.swap_space < 0:
             bad("swap_space", f"must be >= 0 GiB, got {self.swap_space}.")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
@@ -122,6 +125,11 @@ class EngineArgs:
             bad("reasoning_parser", f"{self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
+        from kvserve.speculative_config import check_runnable, parse_speculative_config
+
+        # Parsed once, here: from now on the field holds a SpeculativeConfig (or None).
+        self.speculative_config = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
+        check_runnable(self.speculative_config)
 
     @property
     def world_size(self) -> int:
@@ -195,16 +203,13 @@ class EngineConfig:
             device = "cuda" if _cuda_available() else "cpu"
         dtype = _resolve_dtype(args.dtype, model_config.torch_dtype, device)
 
+        # Windowed layers attend to their window at any length: the limit is the model's positions.
         model_max = model_config.max_position_embeddings
-        if model_config.sliding_window:
-            # Sliding-window attention is not implemented: stay inside the window, where it is exact.
-            model_max = min(model_max, model_config.sliding_window)
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "
-                f"({model_max}: max_position_embeddings, or the sliding window, which kvserve does not "
-                f"implement yet). Use --max-model-len {model_max} or less."
+                f"({model_max}: max_position_embeddings). Use --max-model-len {model_max} or less."
             )
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
@@ -255,15 +260,11 @@ def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str,
                            count_devices: bool = True) -> list[tuple[int, int]]:
     """Impossible layouts fail here, before any process starts, naming the numbers and the flag."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"The model's {cfg.num_attention_heads} attention heads are not divisible by "
-                         f"--tensor-parallel-size {tp}; use a tensor parallel size that divides {cfg.num_attention_heads}.")
-    kv = cfg.num_key_value_heads
-    if (kv % tp) if tp <= kv else (tp % kv):
-        raise ValueError(f"The model's {kv} KV heads and --tensor-parallel-size {tp} do not fit: one must divide "
-                         f"the other (KV heads are split, or replicated when there are fewer than ranks).")
-    if cfg.vocab_size % tp:
-        raise ValueError(f"The vocabulary ({cfg.vocab_size} tokens) is not divisible by --tensor-parallel-size {tp}.")
+    misfit = _tensor_parallel_misfit(cfg, tp)
+    if misfit:
+        fitting = [n for n in range(1, cfg.num_attention_heads + 1) if not _tensor_parallel_misfit(cfg, n)]
+        raise ValueError(f"{misfit}, so --tensor-parallel-size {tp} cannot split this model. Sizes that fit "
+                         f"every rule (attention heads, KV heads, vocabulary): {', '.join(map(str, fitting))}.")
     if pp > cfg.num_hidden_layers:
         raise ValueError(f"--pipeline-parallel-size {pp} is larger than the model's {cfg.num_hidden_layers} layers; "
                          f"use --pipeline-parallel-size {cfg.num_hidden_layers} or less.")
@@ -274,12 +275,28 @@ def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str,
     if count_devices and device == "cuda" and args.executor_backend != "ray":
         import torch
 
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(f"--device cuda, but this torch ({torch.__version__}) is built without CUDA. Install a "
+                             f"CUDA build of torch (README: Install, GPU machine), or use --device cpu.")
         visible = torch.cuda.device_count()
         if tp * pp > visible:
             raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} GPUs, but "
                              f"only {visible} are visible on this host (CUDA_VISIBLE_DEVICES). Lower the sizes, or "
                              f"use --distributed-executor-backend ray on a cluster with more GPUs.")
     return layer_ranges
+
+
+def _tensor_parallel_misfit(cfg: ModelConfig, tp: int) -> str | None:
+    """Why `tp` ranks cannot split this model, or None: every rule, so advice can name sizes that pass all."""
+    if cfg.num_attention_heads % tp:
+        return f"The model's {cfg.num_attention_heads} attention heads are not divisible by {tp}"
+    kv = cfg.num_key_value_heads
+    if (kv % tp) if tp <= kv else (tp % kv):
+        return (f"The model's {kv} KV heads and {tp} ranks do not fit: one must divide the other (KV heads are "
+                f"split, or replicated when there are fewer than ranks)")
+    if cfg.vocab_size % tp:
+        return f"The vocabulary ({cfg.vocab_size} tokens) is not divisible by {tp}"
+    return None
 
 
 def _cuda_available() -> bool:

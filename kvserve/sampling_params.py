@@ -21,6 +21,16 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds, as vLLM: what a torch generator and numpy accept
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs
 DEFAULT_MAX_N = 128  # OpenAI's limit on n
+# Longest list each field may hold: every sample gets its own copy, and sampling or stop checks read it
+# every step. Generous for real use (allowed_token_ids: any vocabulary), far below what stalls an engine.
+MAX_LIST_LENGTHS = {
+    "stop": 256,
+    "stop_token_ids": 4096,
+    "bad_words": 4096,
+    "logit_bias": 16384,
+    "allowed_token_ids": 262144,
+}
+MAX_STOP_STRING_CHARS = 1024  # a stream holds back this many characters, in case a stop string starts there
 
 # The type each field must have: a JSON true is not a number, a string is not a boolean.
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
@@ -83,6 +93,13 @@ def _check_types(p) -> None:
             raise ValueError(f"{name} must be a list, got {type(value).__name__}.")
     if p.stop is not None and not isinstance(p.stop, (str, list, tuple)):
         raise ValueError(f"stop must be a string or a list of strings, got {type(p.stop).__name__}.")
+    for name, limit in MAX_LIST_LENGTHS.items():
+        value = getattr(p, name)
+        if value is not None and not isinstance(value, str) and len(value) > limit:
+            raise ValueError(f"{name} may hold at most {limit} entries, got {len(value)}.")
+    for stop in [p.stop] if isinstance(p.stop, str) else (p.stop or ()):
+        if isinstance(stop, str) and len(stop) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}.")
 
 
 class RequestOutputKind(enum.IntEnum):

@@ -11,6 +11,16 @@ import torch
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer's vocabulary, so every tiny model can share it
 
 
+def pytest_collection_modifyitems(config, items):
+    """The gpu tier (`pytest -m gpu`) runs only where CUDA is; CI never needs it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu tier: needs CUDA (run `pytest -m gpu tests` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def _tiny_config(arch: str):
     import transformers
 
@@ -40,7 +50,41 @@ def _tiny_config(arch: str):
         return transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
+    # Windowed and other families: windows (WINDOW tokens) shorter than the test prompts, 3 layers so
+    # windowed and full layers interleave.
+    if arch == "mistral-window":
+        return transformers.MistralConfig(**common, sliding_window=WINDOW)
+    if arch == "qwen2-window":  # layers from max_window_layers on are windowed
+        return transformers.Qwen2Config(**{**common, "num_hidden_layers": 3}, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=1)
+    if arch == "gemma2":  # caps small enough to bite on random weights
+        return transformers.Gemma2Config(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW,
+                                         query_pre_attn_scalar=24, attn_logit_softcapping=0.8,
+                                         final_logit_softcapping=3.0, attn_implementation="eager")
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            attn_implementation="eager")
+    if arch == "phi3":  # Phi-4-mini's partial rotary, Phi-3-mini's window
+        return transformers.Phi3Config(**common, sliding_window=WINDOW, partial_rotary_factor=0.5, pad_token_id=0)
+    if arch == "phi3-longrope":  # Phi-4-mini's rope: max_model_len 256 <= the original 256: short factors
+        return transformers.Phi3Config(
+            **{**common, "max_position_embeddings": 1024}, partial_rotary_factor=0.5, pad_token_id=0,
+            original_max_position_embeddings=256,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+                          "long_factor": [1.5, 2.5, 6.0, 11.0]})
+    if arch == "granite":
+        return transformers.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.3,
+                                          attention_multiplier=0.09, logits_scaling=4.0)
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**{**common, "num_hidden_layers": 3})
     raise ValueError(arch)
+
+
+WINDOW = 24  # the tiny windowed models' sliding window
 
 
 @pytest.fixture(scope="session")

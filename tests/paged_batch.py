@@ -64,3 +64,41 @@ def make_batch(ctx_lens, q_lens, *, num_heads=4, num_kv_heads=2, head_dim=32, bl
             setattr(meta, name, getattr(meta, name).to(device))
         q, k, v, kv_cache = (x.to(device) for x in (q, k, v, kv_cache))
     return q, k, v, kv_cache, meta
+
+
+def poison_outside_window(kv_cache, meta, ctx_lens, window: int) -> None:
+    """NaN into every block that lies wholly left of the step's first query's window (positions before
+    ctx_len - window + 1): what the KV cache manager may have freed and given to another request."""
+    bs = meta.block_size
+    tables = meta.block_tables.cpu()
+    for i, c in enumerate(ctx_lens):
+        for b in range(max(0, c - window + 1) // bs):
+            kv_cache[:, int(tables[i, b])] = float("nan")
+
+
+def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_cap=None):
+    """The definition written from positions, independent of the backends' code: each request's context
+    keys from the cache, then this step's K/V; key j visible from query i iff i - window < j <= i."""
+    import torch
+
+    bs = meta.block_size
+    tables = meta.block_tables.cpu()
+    qsl = meta.query_start_loc.cpu().tolist()
+    out = torch.zeros_like(q, dtype=torch.float32).cpu()
+    group = q.shape[1] // k.shape[1]
+    for i, c in enumerate(ctx_lens):
+        a, b = qsl[i], qsl[i + 1]
+        ctx_slots = [int(tables[i, p // bs]) * bs + p % bs for p in range(c)]
+        flat_k = kv_cache[0].reshape(-1, *kv_cache.shape[3:]).cpu().float()
+        flat_v = kv_cache[1].reshape(-1, *kv_cache.shape[3:]).cpu().float()
+        keys = torch.cat([flat_k[ctx_slots], k[a:b].cpu().float()]).repeat_interleave(group, dim=1)
+        values = torch.cat([flat_v[ctx_slots], v[a:b].cpu().float()]).repeat_interleave(group, dim=1)
+        qpos = torch.arange(c, c + b - a)[:, None]
+        kpos = torch.arange(c + b - a)[None, :]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window is not None else True)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].cpu().float(), keys.nan_to_num(0.0)) * scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", probs, values.nan_to_num(0.0))
+    return out

@@ -21,7 +21,10 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0):
+    def __init__(self, model: str | None, *flags: str, api_key: str | None = None, startup_timeout: float = 300.0,
+                 new_session: bool = False):
+        """`new_session`: the server leads a process group of its own (with its children), so a test can
+        signal the whole group as systemd and Kubernetes do."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -35,7 +38,8 @@ class RemoteServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVSERVE_API_KEY", None)
         env.pop("VLLM_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         self.first_health_status: int | None = None  # what /health said first (503 while loading)
         self.first_health_body: bytes = b""
         try:

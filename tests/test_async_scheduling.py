@@ -108,4 +108,4 @@ def test_abort_while_a_step_is_in_flight(llama):
     assert finished == {"r0": 30, "r3": 30}
     assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_blocks
     engine.step()  # the runner hears of the last finished requests with the next schedule
-    assert engine.runner.block_tables.rows == {}
+    assert engine.runner.input_batch.block_tables.rows == {}

@@ -101,3 +101,18 @@ def test_sharegpt_first_exchange_lengths_and_filter(tmp_path):
         sharegpt_requests(path, 4, _WordTokenizer(), seed=0)
     with pytest.raises(ValueError, match="not a file"):
         sharegpt_requests(tmp_path / "missing.json", 1, _WordTokenizer(), seed=0)
+
+
+def test_w2_is_long_context_and_fixed():
+    from kvserve.bench.datasets import W2_CONFIG, W2_MAX_MODEL_LEN, w2_requests
+    from kvserve.model.model_config import ModelConfig
+
+    reqs = w2_requests()
+    assert len(reqs) == 64
+    assert all(6000 <= r.prompt_len <= 15000 and 128 <= r.expected_output_len <= 512 for r in reqs)
+    assert all(r.prompt_len + r.expected_output_len <= W2_MAX_MODEL_LEN for r in reqs)
+    assert build_requests("w2", num_prompts=2, input_len=None, output_len=None)[1].prompt_len == reqs[1].prompt_len
+    cfg = ModelConfig.from_hf_dict(W2_CONFIG)
+    # Gemma-3's 5 windowed layers to 1 full one, the full ones with linear rope scaling.
+    assert cfg.layer_windows.count(None) == 8 and cfg.layer_windows.count(1024) == 40
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0} and cfg.rope_local_theta == 10000.0

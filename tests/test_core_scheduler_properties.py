@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.core.block_pool import hash_block_tokens
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import FREED, KVCacheManager, cdiv, first_block_in_window
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -62,6 +62,8 @@ class Cfg:
     swap_cost: float = 1.0
     # Pipeline parallelism: up to this many batches in flight, each request in at most one (0: off).
     pipeline_depth: int = 0
+    # A model whose every layer sees its last `sliding_window` positions: blocks behind it are freed.
+    sliding_window: int | None = None
 
     @property
     def max_unapplied(self) -> int:
@@ -85,7 +87,8 @@ class Harness:
     def __init__(self, cfg: Cfg, seed: int = 0, token_fn: Callable[[str, list[int]], int] | None = None):
         self.cfg = cfg
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
-                                 **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}))
+                                 **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}),
+                                 **({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}))
         swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
                     swap_seconds_per_block=cfg.swap_cost) if cfg.preemption_mode != "recompute" else {}
         self.sched = Scheduler(
@@ -263,8 +266,14 @@ class Harness:
             else:
                 assert s.request_id in self.runner_tables, "continuing request unknown to the runner"
                 self.runner_tables[s.request_id] += s.new_block_ids
-            # The runner's incrementally built table matches the manager's.
-            assert self.runner_tables[s.request_id] == self.kv.block_ids(s.request_id)
+            # The runner's incrementally built table matches the manager's, from the step's window on;
+            # with a window, exactly the blocks before it are freed.
+            lo = first_block_in_window(s.start_pos, bs, self.cfg.sliding_window)
+            table_now = self.kv.block_ids(s.request_id)
+            assert len(self.runner_tables[s.request_id]) == len(table_now)
+            assert self.runner_tables[s.request_id][lo:] == table_now[lo:]
+            held = self.kv.req_to_blocks[s.request_id]
+            assert all(b is FREED for b in held[:lo]) and all(b is not FREED for b in held[lo:])
         # All K/V writes of the step, then all reads (attention), as in one forward pass.
         for s in out.scheduled:
             table = self.runner_tables[s.request_id]
@@ -280,11 +289,15 @@ class Harness:
                 slots = self.physical.setdefault(table[pos // bs], [None] * bs)
                 slots[pos % bs] = tok
         sampled, self.last_sampled = {}, {}
+        w = self.cfg.sliding_window
         for s in out.scheduled:
             end = s.start_pos + len(s.token_ids)
             truth = self._truth(s.request)  # known tokens + those sampled by the step in flight
-            attended = self._read(self.runner_tables[s.request_id], end)
-            assert len(truth) >= end and attended == truth[:end], f"{s.request_id} would attend to wrong K/V"
+            # Every position some query of the step sees (with a window, from the first query's window on).
+            first = 0 if w is None else max(0, s.start_pos - w + 1)
+            seen = self._read(self.runner_tables[s.request_id], end, first)
+            assert len(truth) >= end and seen == truth[first:end], f"{s.request_id} would attend to wrong K/V"
+            attended = seen[max(0, end - w) - first:] if w is not None else seen  # the sampling query's keys
             if s.needs_sample:
                 tok = self.token_fn(s.request_id, attended) if self.token_fn else self.rng.randrange(ALPHABET)
                 sampled[s.request_id] = tok
@@ -295,16 +308,16 @@ class Harness:
         bs = self.cfg.block_size
         return [self.cpu_physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
 
-    def _read(self, table: list[int], n: int) -> list:
+    def _read(self, table: list[int], n: int, first: int = 0) -> list:
         bs = self.cfg.block_size
-        return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
+        return [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(first, n)]
 
     def _apply(self) -> None:
         """scheduler.update() on the oldest unapplied step, checking exactly what it changes."""
         out, sampled = self.unapplied[0]
         snap = {id(r): (r.num_computed_tokens, r.num_pending_outputs, list(r.output_token_ids), r.status)
                 for r in self.all.values()}
-        touched = self.sched.update(out, sampled)
+        touched = self.sched.update(out, {rid: [tok] for rid, tok in sampled.items()})
         self.unapplied.pop(0)
         # Results of requests that finished (or were aborted) since scheduling are dropped.
         expected = [s.request for s in out.scheduled if s.needs_sample and not snap[id(s.request)][3].is_finished]
@@ -479,7 +492,7 @@ class Harness:
         assert live == set(sched.requests)
         assert all(sched.requests[r.request_id] is r for r in waiting + running)
         # Every block is either free or held by some request table.
-        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b is not FREED}
         assert kv.pool.num_free_blocks + len(held) == c.num_blocks
         assert set(kv.pool._free).isdisjoint(held)
         # Only running requests hold blocks (waiting/preempted/finished ones hold none).
@@ -516,8 +529,11 @@ class Harness:
                 assert r.num_computed_tokens == r.num_tokens + r.num_pending_outputs - 1
             assert r.num_computed_tokens <= c.max_model_len
             # The K/V this request has computed is really there, untouched by anyone else (tokens in
-            # flight included: the runner filled them in from the device).
-            assert self._read(table, r.num_computed_tokens) == self._truth(r)[: r.num_computed_tokens]
+            # flight included: the runner filled them in from the device); with a window, the blocks
+            # it still holds.
+            first = sum(1 for b in kv.req_to_blocks[r.request_id] if b is FREED) * c.block_size
+            assert all(b is not FREED for b in kv.req_to_blocks[r.request_id][first // c.block_size:])
+            assert self._read(table, r.num_computed_tokens, first) == self._truth(r)[first: r.num_computed_tokens]
         for rid, r in self.all.items():
             if r.is_finished:
                 assert rid not in sched.requests and rid not in kv.req_to_blocks
@@ -583,8 +599,9 @@ def configs(draw):
         if preemption != "recompute":
             swap = dict(preemption_mode=preemption, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
                         swap_cost=draw(st.sampled_from([0.01, 1.0, 100.0]), label="swap_cost"))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)), label="sliding_window")
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
-               mode == "async", pipeline_depth=depth, **swap)
+               mode == "async", pipeline_depth=depth, sliding_window=window, **swap)
 
 
 def tokens(min_size: int, max_size: int):
@@ -882,7 +899,7 @@ def test_request_id_reusable_after_finish():
     old = Request("x", [0, 1, 2], Params(4))
     sched.add_request(old)
     out = sched.schedule()
-    sched.update(out, {"x": 1})
+    sched.update(out, {"x": [1]})
     sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
     new = Request("x", [0, 1, 2, 3, 0], Params(1))
     sched.add_request(new)  # the id is free again once the old request finished
@@ -892,7 +909,7 @@ def test_request_id_reusable_after_finish():
     (s,) = out.scheduled
     assert s.is_new and s.request_id == "x" and s.start_pos == 2  # one cached block of the old "x"
     assert s.token_ids == [2, 3, 0]
-    sched.update(out, {"x": 0})
+    sched.update(out, {"x": [0]})
     assert new.is_finished and old.num_output_tokens == 1 and new.num_output_tokens == 1
     h.kv.check_invariants()
     assert h.kv.pool.num_free_blocks == cfg.num_blocks
@@ -993,15 +1010,15 @@ def test_async_decode_computes_the_token_in_flight():
     (s2,) = out2.scheduled
     assert s2.token_ids == [PLACEHOLDER_TOKEN_ID] and s2.start_pos == 3 and s2.needs_sample and s2.output_len == 1
     assert r.num_computed_tokens == 4 and r.num_pending_outputs == 2 and r.num_tokens == 3
-    assert sched.update(out1, {"a": 1}) == [r]
+    assert sched.update(out1, {"a": [1]}) == [r]
     assert r.output_token_ids == [1] and r.num_pending_outputs == 1 and r.num_computed_tokens == 4
     out3 = sched.schedule()  # the third token is the last one allowed: sampled, then nothing more
     (s3,) = out3.scheduled
     assert s3.token_ids == [PLACEHOLDER_TOKEN_ID] and s3.start_pos == 4 and s3.output_len == 2
-    sched.update(out2, {"a": 2})
+    sched.update(out2, {"a": [2]})
     out4 = sched.schedule()
     assert out4.is_empty and r.num_pending_outputs == 1 and sched.has_unfinished_requests()
-    sched.update(out3, {"a": 0})
+    sched.update(out3, {"a": [0]})
     assert r.output_token_ids == [1, 2, 0] and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert sched.schedule().finished_req_ids == ["a"]
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
@@ -1034,9 +1051,9 @@ def test_async_result_of_aborted_request_is_dropped_even_if_its_id_is_reused():
     sched.add_request(new)
     out2 = sched.schedule()
     assert out2.finished_req_ids == ["x"] and out2.scheduled[0].is_new
-    assert sched.update(out1, {"x": 1}) == []  # old "x"'s token: not new "x"'s
+    assert sched.update(out1, {"x": [1]}) == []  # old "x"'s token: not new "x"'s
     assert old.output_token_ids == [] and new.output_token_ids == [] and new.num_pending_outputs == 1
-    assert sched.update(out2, {"x": 2}) == [new] and new.output_token_ids == [2]
+    assert sched.update(out2, {"x": [2]}) == [new] and new.output_token_ids == [2]
     sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
     sched.kv.check_invariants()
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
@@ -1056,7 +1073,7 @@ def test_async_request_preempted_while_its_step_is_in_flight(in_flight_token):
     out2 = sched.schedule()  # a's decode needs the last free block: b, the newest, is preempted
     assert [s.request_id for s in out2.scheduled] == ["a"] and out2.preempted_req_ids == ["b"]
     assert list(sched.waiting) == [b] and b.num_pending_outputs == 1 and b.num_computed_tokens == 0
-    sched.update(out1, {"a": 1, "b": in_flight_token})
+    sched.update(out1, {"a": [1], "b": [in_flight_token]})
     assert b.output_token_ids == [in_flight_token] and b.num_pending_outputs == 0
     if in_flight_token == EOS:
         assert b.status == RequestStatus.FINISHED_STOPPED and not sched.waiting and "b" not in sched.requests
@@ -1065,9 +1082,9 @@ def test_async_request_preempted_while_its_step_is_in_flight(in_flight_token):
         assert list(sched.waiting) == [b] and b.status == RequestStatus.PREEMPTED
         out3 = sched.schedule()
         assert [s.request_id for s in out3.scheduled] == ["a"]  # no room for b while a runs
-        sched.update(out2, {"a": 2})
+        sched.update(out2, {"a": [2]})
         assert sched.schedule().is_empty  # a's last token is in flight; b still does not fit
-        sched.update(out3, {"a": 0})
+        sched.update(out3, {"a": [0]})
         assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
         (s,) = sched.schedule().scheduled  # b resumes: its prompt and the token sampled in flight
         assert s.request_id == "b" and s.is_new and s.start_pos == 0 and s.token_ids == [0, 2, in_flight_token]
@@ -1144,7 +1161,7 @@ def test_auto_chooses_by_cost_per_victim():
     # short: 3 tokens x 1.0 = 3 vs 1 block x 3.0 = 3: not cheaper, recompute.
     # long: 13 tokens x 1.0 = 13 vs 4 blocks x 3.0 = 12: swap.
     assert sched._preemption_mode(short) == "recompute" and sched._preemption_mode(long_) == "swap"
-    sched.update(out, {"short": 0, "long": 0})
+    sched.update(out, {"short": [0], "long": [0]})
     sched.running.remove(long_)
     sched._preempt(long_, out)
     assert kv.is_swapped(long_) and long_.num_computed_tokens == 13
@@ -1154,3 +1171,164 @@ def test_auto_chooses_by_cost_per_victim():
     sched.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)  # aborted while swapped: CPU blocks freed
     assert kv.swap_space.num_free_blocks == 8
     kv.check_invariants()
+
+
+# ---- speculative decoding: lookahead slots and rollback ------------------------------------------
+class SpecRun:
+    """A Scheduler driven with draft tokens (sync loop, as the engine runs with a proposer): every step
+    offers each running request 0..4 drafts, each right (what the content model samples next) or wrong;
+    a fake runner writes every scheduled token's K/V into a simulated cache, checks each read and verifies
+    greedily (the longest matching prefix plus one). After every operation: block ref counts match the
+    tables holding them, nothing is freed twice, a running request holds exactly the blocks of its
+    computed tokens, and the prefix cache holds only tokens that were accepted."""
+
+    def __init__(self, cfg: Cfg, rng: random.Random, drafts: bool):
+        self.cfg, self.rng, self.drafts = cfg, rng, drafts
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
+                                 num_cpu_blocks=cfg.num_cpu_blocks)
+        swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
+                    swap_seconds_per_block=cfg.swap_cost)
+        self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                               cfg.chunked, **swap), self.kv)
+        self.physical: dict[int, list] = {}
+        self.cpu_physical: dict[int, list] = {}
+        self.all: list[Request] = []
+        self.tables: dict[str, list[int]] = {}  # the runner's view of each block table
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        r = Request(rid, list(prompt), Params(max_tokens, ignore_eos=False), eos_token_id=EOS)
+        try:
+            self.sched.add_request(r)
+        except ValueError:
+            return
+        self.all.append(r)
+
+    def _offer(self) -> None:
+        offers = {}
+        for r in self.sched.running:
+            seq = r.all_token_ids
+            tokens = []
+            for _ in range(self.rng.randint(0, 4)):
+                right = content_token(r.request_id, seq)
+                tok = right if self.rng.random() < 0.7 else (right + 1) % ALPHABET
+                tokens.append(tok)
+                seq = seq + [tok]
+            offers[r.request_id] = tokens
+        self.sched.update_draft_token_ids(offers)
+
+    def step(self) -> None:
+        if self.drafts:
+            self._offer()
+        out = self.sched.schedule()
+        c, bs = self.cfg, self.cfg.block_size
+        assert out.total_num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert out.total_num_scheduled_tokens <= c.max_num_batched_tokens
+        for rid in out.finished_req_ids + out.preempted_req_ids:
+            self.tables.pop(rid, None)
+        for rid, num_blocks in out.trimmed_block_tables.items():
+            if rid in self.tables:
+                del self.tables[rid][num_blocks:]
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu_physical[cpu] = list(self.physical.get(gpu, [None] * bs))
+        for gpu, cpu in out.blocks_to_swap_in:
+            self.physical[gpu] = list(self.cpu_physical[cpu])
+        sampled = {}
+        for s in out.scheduled:
+            r = s.request
+            self.tables[s.request_id] = (list(s.new_block_ids) if s.is_new
+                                         else self.tables[s.request_id] + s.new_block_ids)
+            table = self.tables[s.request_id]
+            assert table == self.kv.block_ids(s.request_id)
+            k = len(s.spec_token_ids)
+            end = s.start_pos + len(s.token_ids)
+            if k:  # drafts only after the last known token, within the caps, in their lookahead slots
+                assert s.needs_sample and s.token_ids[-k:] == s.spec_token_ids
+                assert end - k == r.num_tokens and end <= c.max_model_len
+                assert r.num_output_tokens + k + 1 <= r.sampling_params.max_tokens
+            assert len(table) == cdiv(end, bs)
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                self.physical.setdefault(table[pos // bs], [None] * bs)[pos % bs] = tok
+        for s in out.scheduled:
+            r, table = s.request, self.tables[s.request_id]
+            end = s.start_pos + len(s.token_ids)
+            k = len(s.spec_token_ids)
+            attended = [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(end)]
+            assert attended == r.all_token_ids[:end - k] + s.spec_token_ids, f"{s.request_id} reads wrong K/V"
+            if not s.needs_sample:
+                continue
+            new = []
+            for i in range(k + 1):  # greedy verification: sample at each draft position
+                tok = content_token(s.request_id, attended[:end - k + i])
+                new.append(tok)
+                if i == k or tok != s.spec_token_ids[i]:
+                    break
+            sampled[s.request_id] = new
+        before = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
+        self.sched.update(out, sampled)
+        for s in out.scheduled:
+            r = s.request
+            if s.request_id not in sampled:
+                continue
+            n_out = before[s.request_id]
+            appended = r.output_token_ids[n_out:]
+            assert appended == sampled[s.request_id][:len(appended)] and appended
+            if len(appended) < len(sampled[s.request_id]):  # a stop in the middle drops the rest
+                assert r.is_finished
+            if r.status == RequestStatus.RUNNING:
+                # The rejected drafts' K/V is forgotten: all but the newest token is computed.
+                assert r.num_computed_tokens == r.num_tokens - 1
+                assert len(self.kv.block_ids(r.request_id)) == cdiv(r.num_computed_tokens, bs)
+        self.check()
+
+    def check(self) -> None:
+        kv, bs = self.kv, self.cfg.block_size
+        kv.check_invariants()  # every ref count equals the tables holding the block; none in two places
+        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        assert kv.pool.num_free_blocks + len(held) == self.cfg.num_blocks  # nothing leaked
+        for r in self.sched.running:
+            assert not r.num_spec_in_flight
+            table = kv.block_ids(r.request_id)
+            computed = [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(r.num_computed_tokens)]
+            assert computed == r.all_token_ids[:r.num_computed_tokens]
+        # A published block holds exactly the (accepted) tokens its hash was made from.
+        contents = {}
+        for r in self.all:
+            for i, h in enumerate(r.block_hashes):
+                contents[h] = r.token_ids_slice(i * bs, (i + 1) * bs)
+        for block_hash, block_id in kv.pool._cached.items():
+            assert self.physical.get(block_id) == contents[block_hash], f"cached block {block_id}"
+
+    def run(self, limit: int) -> dict[str, list[int]]:
+        steps = 0
+        while self.sched.has_unfinished_requests():
+            steps += 1
+            assert steps <= limit, "livelock"
+            self.step()
+        self.sched.schedule()  # reports the last finishes
+        assert self.kv.pool.num_free_blocks == self.cfg.num_blocks and self.kv.req_to_blocks == {}
+        assert _swap_space_free(self.kv)
+        return {r.request_id: r.output_token_ids for r in self.all}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), seed=st.integers(0, 2**16), data=st.data())
+def test_drafts_with_lookahead_and_rollback_keep_outputs_and_blocks(cfg, seed, data):
+    """The same requests with and without drafts: identical outputs (the content model is greedy), and
+    no block leaked or freed twice on the way, with preemption, swapping, chunking and prefix hits."""
+    cfg = dataclasses.replace(cfg, async_scheduling=False, pipeline_depth=0)
+    n = data.draw(st.integers(1, 5), label="num_requests")
+    reqs = []
+    for i in range(n):
+        length = data.draw(st.integers(1, cfg.max_model_len), label="prompt_len")
+        reqs.append((f"r{i}", data.draw(tokens(length, length), label="prompt"),
+                     data.draw(st.integers(1, 12), label="max_tokens")))
+    outputs = []
+    for drafts in (False, True):
+        run = SpecRun(cfg, random.Random(seed), drafts)
+        for rid, prompt, max_tokens in reqs:
+            run.add(rid, prompt, max_tokens)
+        outputs.append(run.run(limit=50 + 30 * sum(len(p) + m for _, p, m in reqs)))
+        if drafts:
+            assert run.sched.num_accepted_tokens <= run.sched.num_draft_tokens
+    assert outputs[0] == outputs[1]

@@ -12,8 +12,8 @@ from kvserve import LLM
 from kvserve.config import EngineArgs
 from kvserve.entrypoints.cli import main as cli_main
 from kvserve.model.model_config import ModelConfig
-from kvserve.worker import memory_plan
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing import memory_plan
+from kvserve.sizing.memory_plan import GiB
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 H100 = 79.2  # GiB, the known-GPU table's H100-80GB

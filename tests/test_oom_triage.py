@@ -16,7 +16,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.worker import memory
 from kvserve.worker.memory import StartupMemoryError
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing.memory_plan import GiB
 from tests.conftest import random_prompts
 from tests.server_utils import RemoteServer
 

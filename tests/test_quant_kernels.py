@@ -1,32 +1,24 @@
-"""Triton kernels of quantization against their torch references, on the CPU through Triton's
-interpreter (a subprocess with TRITON_INTERPRET=1, as in test_triton_attention.py: the variable must be
-set before triton is imported): the int4/int8 kernels for AWQ and GPTQ layouts (the split-K skinny
-decode kernel, the dequantize kernel of the prefill path, and the dispatch by M), the FP8 KV cache write/read in the Triton attention backend, and the FP8 linear kernels
-(per-token activation quantization, the small-M W8A16 GEMM).
+"""Triton kernels of quantization against their torch references, in both kernel tiers (see
+tests/triton_interpreter.py: the interpreter on CPU tensors, and compiled on CUDA tensors with
+`pytest -m gpu`): the int4/int8 kernels for AWQ and GPTQ layouts (the split-K skinny decode kernel, the
+dequantize kernel of the prefill path, and the dispatch by M), the FP8 KV cache write/read in the Triton
+attention backend, and the FP8 linear kernels (per-token activation quantization, the small-M W8A16 GEMM,
+and on the GPU the torch._scaled_mm path).
 
-The interpreter's bf16 tl.dot is wrong (it multiplies raw bits), so GEMM kernels are checked in fp32 and
-fp16 here; benchmarks/sweep_int4_linear.py and sweep_fp8_linear.py check bf16 on the GPU."""
+The interpreter's bf16 tl.dot is wrong (it multiplies raw bits), so its GEMM kernels are checked in fp32
+and fp16 there, and in bf16 too on the GPU."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from tests.triton_interpreter import run_file_in_interpreter
+from tests.triton_interpreter import INTERPRETED, KERNEL_DEVICE, KERNEL_TIER, compiled_only
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
-                                       reason="runs in the interpreter subprocess")
-
-
-@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
-def test_quant_kernels_in_interpreter_subprocess():
-    out = run_file_in_interpreter(__file__)
-    assert " passed" in out, out[-3000:]
+pytestmark = KERNEL_TIER
+DEVICE = KERNEL_DEVICE
 
 
 def _layer(method: str, k: int, n: int, **opt):
@@ -74,13 +66,11 @@ INT_IDS = [f"{m}-{'-'.join(f'{k}{v}' for k, v in o.items())}" for m, o in INT_CA
 
 
 def _on_device(layer):
-    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
     for p in layer.parameters():
-        p.data = p.data.to(device)
-    return device
+        p.data = p.data.to(DEVICE)
+    return DEVICE
 
 
-@needs_interpreter
 @pytest.mark.parametrize("method,opt", INT_CASES, ids=INT_IDS)
 def test_dequantize_kernel_equals_reference(method, opt):
     """The prefill path's dequantize kernel writes exactly IntWeights.dequantize's W (same fp32 ops)."""
@@ -96,7 +86,6 @@ def test_dequantize_kernel_equals_reference(method, opt):
     torch.testing.assert_close(dequantize_int(*args, torch.bfloat16).float(), reference, atol=0, rtol=2**-7)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("method,opt", INT_CASES, ids=INT_IDS)
 @pytest.mark.parametrize("rows", [1, 5])  # the FMA (one row) and tl.dot variants
 def test_skinny_split_k_equals_reference(method, opt, rows):
@@ -123,7 +112,6 @@ def test_skinny_split_k_equals_reference(method, opt, rows):
                 assert not ws[0].any() and not ws[1].any(), "workspace not left clean"
 
 
-@needs_interpreter
 @pytest.mark.parametrize("method,opt", [INT_CASES[2], INT_CASES[3], INT_CASES[5]], ids=[INT_IDS[2], INT_IDS[3],
                                                                                        INT_IDS[5]])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40, 256])  # skinny M=1, skinny dot, then dequant + matmul
@@ -156,7 +144,6 @@ FP8_KV_CASES = [  # (context lengths, query lengths, forced split-KV): prefill w
 ]
 
 
-@needs_interpreter
 @pytest.mark.parametrize("ctx_lens,q_lens,split", FP8_KV_CASES)
 def test_fp8_kv_cache_triton_equals_torch_reference(ctx_lens, q_lens, split):
     """Both backends store the same e4m3 bytes and attend over the same dequantized K/V."""
@@ -205,7 +192,6 @@ def _encode_kernel():
     return encode
 
 
-@needs_interpreter
 def test_e4m3_encoding_equals_torch_cast():
     """Every e4m3 value, the midpoints between neighbours (ties: round half to even), values just off them,
     subnormals, zeros of both signs, overflow (clamped to +-448) and NaN: the same bytes as torch's cast."""
@@ -219,13 +205,13 @@ def test_e4m3_encoding_equals_torch_cast():
                    torch.randn(2000) * 0.003, torch.tensor([0.0, -0.0, 500.0, -1e30, 1e-42, float("nan")])])
     n = triton.next_power_of_2(x.numel())
     x = torch.cat([x, torch.zeros(n - x.numel())])
-    got = torch.empty(n, dtype=torch.uint8)
-    encode[(1,)](x, got, N=n)
+    got = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    encode[(1,)](x.to(DEVICE), got, N=n)
+    got = got.cpu()
     want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(got, want), (x[got != want][:8], got[got != want][:8], want[got != want][:8])
 
 
-@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,cols", [(5, 4096), (2, 14336), (3, 100)])
 def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
@@ -237,12 +223,16 @@ def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
     torch.manual_seed(rows)
     x = (torch.randn(rows, cols) * torch.logspace(-3, 2, rows)[:, None]).to(dtype)
     x[0] = 0
+    x = x.to(DEVICE)
     q, scale = quantize_per_token(x)
     rq, rscale = reference(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
-    assert torch.equal(scale, rscale)
-    static = torch.tensor([0.37])
+    if DEVICE == "cpu":
+        assert torch.equal(scale, rscale)
+    else:  # torch on CUDA divides a tensor by a scalar as a multiply by its reciprocal: 1 ulp from div_rn
+        torch.testing.assert_close(scale, rscale, rtol=2.4e-7, atol=0)
+    static = torch.tensor([0.37], device=DEVICE)
     q, scale = quantize_per_token(x, static)
     want = (x.float() / static).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
@@ -257,13 +247,13 @@ def _fp8_weight(n: int, k: int):
     from kvserve.model.quantization.fp8 import quantize_per_channel
 
     torch.manual_seed(n + k)
-    w = torch.randn(n, k) * 0.05 * torch.rand(n, 1)  # per-channel scales that differ
+    w = (torch.randn(n, k) * 0.05 * torch.rand(n, 1)).to(DEVICE)  # per-channel scales that differ
     q, scale = quantize_per_channel(w)
     return q, scale, q.float() * scale[:, None]
 
 
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=compiled_only)],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("m,k,n", [(1, 1024, 48), (5, 640, 96), (16, 2048, 64), (33, 512, 32)])
 def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
     """x @ (e4m3 weight * per-channel scale)^T: ragged K (640 is not a multiple of BLOCK_K), N not a multiple
@@ -271,16 +261,15 @@ def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
     from kvserve.model.quantization.triton_fp8_gemm import w8a16_gemm
 
     q, scale, ref_w = _fp8_weight(n, k)
-    x = torch.randn(m, k).to(dtype)
+    x = torch.randn(m, k).to(dtype).to(DEVICE)
     ref = x.float() @ ref_w.T
-    tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: the output rounding
+    tol = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]  # 16-bit: the output rounding
     for split_k in (None, 1, 3):
         got = w8a16_gemm(x, q, scale, split_k=split_k)
         assert got.dtype == dtype and got.shape == (m, n)
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("rows", [1, 16, 17, 40])
 def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatch):
     """Fp8LinearMethod.apply's GPU path on the CPU: torch._scaled_mm (no CPU FP8 GEMM) is replaced by its
@@ -306,10 +295,10 @@ def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatc
         layer = nn.Module()
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        layer.input_scale = nn.Parameter(torch.tensor([0.02]), requires_grad=False)
+        layer.input_scale = nn.Parameter(torch.tensor([0.02], device=DEVICE), requires_grad=False)
         layer.fp8_gemm = True
-        x = torch.randn(2, rows, k, dtype=torch.float16)[:, : (rows + 1) // 2].contiguous()  # [2, ~rows/2, k]
-        bias = torch.randn(n, dtype=torch.float16)
+        x = torch.randn(2, rows, k, dtype=torch.float16)[:, : (rows + 1) // 2].contiguous().to(DEVICE)  # [2, ~rows/2, k]
+        bias = torch.randn(n, dtype=torch.float16).to(DEVICE)
         out = method.apply(layer, x, bias)
         assert out.shape == (*x.shape[:-1], n) and out.dtype == x.dtype
         m = x.shape[0] * x.shape[1]
@@ -321,7 +310,7 @@ def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatc
         x2 = x.reshape(m, k)
         if static:
             want_q = (x2.float() / 0.02).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-            want_s = torch.full((m, 1), 0.02)
+            want_s = torch.full((m, 1), 0.02, device=DEVICE)
         else:
             want_q, want_s = fp8.quantize_per_token(x2)
         assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(x_scale, want_s)
@@ -329,7 +318,6 @@ def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatc
         assert (out.float() - (x.float() @ ref_w.T + bias.float())).abs().max() < 0.1
 
 
-@needs_interpreter
 def test_fp8_kv_write_kernel_quantizes_like_torch():
     """The KV write kernel's in-kernel e4m3 quantization (k / k_scale, clamped) against torch's
     write_kv_cache, with values that clamp, subnormals, exact ties, strided K/V views and padded slots."""
@@ -346,9 +334,43 @@ def test_fp8_kv_write_kernel_quantizes_like_torch():
     k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.013])
     slots = torch.randperm(num_blocks * block_size)[:t]
     slots[3] = -1  # CUDA-graph padding: skipped
-    ref = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float8_e4m3fn)
+    qkv, slots, k_scale, v_scale = (x.to(DEVICE) for x in (qkv, slots, k_scale, v_scale))
+    k, v = qkv[:, 1], qkv[:, 2]
+    ref = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float8_e4m3fn, device=DEVICE)
     got = ref.clone()
     keep = slots >= 0
     write_kv_cache(k[keep], v[keep], ref, slots[keep], k_scale, v_scale)
     reshape_and_cache(k, v, got, slots, t, k_scale, v_scale)
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch._scaled_mm needs CUDA")
+@pytest.mark.parametrize("rows", [17, 40, 300])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_linear_scaled_mm_path_on_gpu(rows, static):
+    """The W8A8 path as served: bf16 activations, the Triton per-token quantization, the real
+    torch._scaled_mm on the FP8 tensor cores, against the same GEMM over the dequantized operands."""
+    from torch import nn
+
+    from kvserve.model.quantization import fp8
+
+    if not fp8.cuda_has_fp8(torch.device(DEVICE)):
+        pytest.skip("no FP8 tensor cores (compute capability < 8.9)")
+    k, n = 512, 96
+    q, scale, ref_w = _fp8_weight(n, k)
+    method = fp8.Fp8LinearMethod(checkpoint_is_fp8=True, weight_strategy="channel", static_input=static)
+    layer = nn.Module()
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    layer.input_scale = nn.Parameter(torch.tensor([0.02], device=DEVICE), requires_grad=False)
+    layer.fp8_gemm = True
+    x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+    out = method.apply(layer, x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    if static:
+        xq, x_scale = (x.float() / 0.02).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), torch.tensor(0.02)
+    else:
+        xq, x_scale = fp8.quantize_per_token(x)
+    x_scale = x_scale.to(DEVICE)
+    want = (xq.float() * x_scale) @ ref_w.T  # the product of exactly the quantized operands, in fp32
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

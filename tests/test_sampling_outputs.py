@@ -40,10 +40,12 @@ def script(engine, monkeypatch, request):
             tokens = scripts[s.request_id]
             return tokens[s.output_len] if s.output_len < len(tokens) else 0
 
-        return _Ready(RunnerOutput(sampled={s.request_id: next_token(s) for s in out.scheduled if s.needs_sample}))
+        sampling = [s for s in out.scheduled if s.needs_sample]
+        return _Ready(RunnerOutput(req_ids=[s.request_id for s in sampling],
+                                   sampled_token_ids=[[next_token(s)] for s in sampling]))
 
     monkeypatch.setattr(engine, "async_scheduling", request.param)
-    monkeypatch.setattr(engine.runner, "execute_async", execute_async)
+    monkeypatch.setattr(engine.executor, "execute_async", execute_async)
     return scripts
 
 

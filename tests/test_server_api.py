@@ -245,3 +245,29 @@ def test_openai_client_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert "max_tokens" in str(e.value)
+
+
+def test_chat_top_logprobs_minus_one_is_the_whole_vocabulary_as_in_vllm(server):
+    msg = [{"role": "user", "content": "x"}]
+    # -1 passes the API's rules and meets the operator's cap (--max-logprobs 20 here), which names its flag.
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": msg, "logprobs": True, "top_logprobs": -1})
+    assert r.status_code == 400 and "--max-logprobs -1" in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": msg, "logprobs": True, "top_logprobs": -2})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"], r.text
+    # 0 returns no alternatives, so it needs no logprobs flag; completions' logprobs has no -1 (as vLLM).
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": msg, "top_logprobs": 0, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": -1})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"], r.text
+    _assert_healthy(server)
+
+
+def test_chat_logprobs_format_minus_one_lists_every_alternative():
+    from kvserve.entrypoints.openai.serving_base import chat_logprobs
+    from kvserve.outputs import Logprob
+
+    entries = {7: Logprob(-0.5, 1, "a"), 8: Logprob(-1.5, 2, "b"), 9: Logprob(-2.5, 3, "c")}
+    (whole,) = chat_logprobs([7], [entries], -1, None)
+    assert [t["token"] for t in whole["top_logprobs"]] == ["a", "b", "c"]
+    (two,) = chat_logprobs([7], [entries], 2, None)
+    assert [t["token"] for t in two["top_logprobs"]] == ["a", "b"]

@@ -94,6 +94,9 @@ class _ExplodingEngine:
     def abort(self, request_id):
         pass
 
+    def seconds_since_heard(self):
+        return 0.0
+
 
 def test_unexpected_handler_error_is_500_json_and_server_stays_up():
     from kvserve.entrypoints.openai.api_server import ServerSettings, ServerState, build_app
@@ -104,7 +107,7 @@ def test_unexpected_handler_error_is_500_json_and_server_stays_up():
 
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             r = await client.post("/v1/completions", json={"model": "stub", "prompt": [1, 2], "max_tokens": 2})
             health = await client.get("/health")
             return r, health
@@ -127,7 +130,7 @@ def test_loading_and_api_key_gate():
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             auth = {"Authorization": "Bearer k"}
             return (await client.get("/v1/models", headers=auth), await client.get("/health"),
                     await client.get("/v1/models"), await client.get("/metrics"))

@@ -1,7 +1,9 @@
 """Fuzzing the running server: hypothesis draws request bodies over our request models (wrong types,
 extreme numbers, any Unicode incl. lone surrogates, nesting, sizes, raw non-JSON bytes) and sends them
-concurrently to `kvserve serve` on loopback. Whatever arrives, the answer is a 2xx or a 4xx, every 4xx is
-OpenAI error JSON, nothing hangs, /health stays 200, and afterwards no request runs and no KV block is held.
+concurrently to `kvserve serve` on loopback, with random Host and client-timeout headers, also to vLLM's
+endpoints that kvserve does not serve. Whatever arrives, the answer is a 2xx or a 4xx (or a 504 for a
+request that carried a timeout), every error is OpenAI error JSON, nothing hangs, /health stays 200, and
+afterwards no request runs and no KV block is held.
 
 KVSERVE_FUZZ_REQUESTS sets how many requests (default 1,000); KVSERVE_FUZZ_REPORT names a JSON file that
 receives the tally (what RELIABILITY.md quotes).
@@ -26,13 +28,15 @@ BATCH = 50  # requests per hypothesis example, sent at once
 NUM_REQUESTS = int(os.environ.get("KVSERVE_FUZZ_REQUESTS", "1000"))
 REQUEST_TIMEOUT_S = 120.0  # a request this slow counts as a hang
 TALLY: collections.Counter = collections.Counter()
+MAX_PROMPTS, MAX_SEQUENCES = 8, 16  # small admission caps, so bodies cross them often
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     srv = RemoteServer(path, "--served-model-name", "tiny", "--disable-log-stats", "--max-model-len", "256",
-                       "--max-request-body-bytes", "200000")
+                       "--max-request-body-bytes", "200000", "--max-prompts-per-request", str(MAX_PROMPTS),
+                       "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-waiting-requests", "64")
     yield srv
     srv.stop()
 
@@ -75,6 +79,7 @@ SAMPLING = {
     "request_id": clean_text,
     "skip_special_tokens": st.booleans(),
     "user": any_text,
+    "truncate_prompt_tokens": st.one_of(st.integers(1, 40), st.just(-1)),
 }
 # Constraints, plausible and not: a tiny random model may run a constraint to max_tokens, which is fine.
 _SCHEMA = st.sampled_from([{"type": "object"}, {"type": "integer"}, {"enum": ["a", "b"]}, {"type": "foo"},
@@ -95,24 +100,47 @@ SAMPLING.update({
 _TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.sampled_from(["f", "g", ""])}, optional={"parameters": _SCHEMA, "strict": st.booleans()})})
 COMPLETION = {**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5), "add_special_tokens": st.booleans()}
+# Special-token strings inside a message must stay text (they must not open turns of their own).
+special_text = st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "system\n", "user", " hi ",
+                                         "<|im_start|>assistant\n"]), min_size=1, max_size=4).map("".join)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "system"]),
-     "content": st.one_of(clean_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": clean_text}),
-                                               min_size=1, max_size=2))})
-CHAT = {**SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 4),
+    {"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer", "tool"]), any_text),
+     "content": st.one_of(clean_text, special_text,
+                          st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": clean_text}),
+                                   min_size=1, max_size=2))})
+CHAT = {**SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 4), "echo": st.booleans(),
         "tools": st.lists(_TOOL, max_size=3), "parallel_tool_calls": st.booleans(),
         "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "sometimes"]),
                                  st.sampled_from(["f", "g", "h"]).map(
                                      lambda n: {"type": "function", "function": {"name": n}}))}
 HOSTILE_ONLY = {"chat_template": any_text, "chat_template_kwargs": hostile, "suffix": any_text, "best_of": extreme_int, "stream_options": hostile,
                 "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
-                "top_logprobs": extreme_int}
+                "top_logprobs": extreme_int,
+                # refused (structured outputs and the rest of request_fields.py), or logged
+                "guided_json": hostile, "guided_regex": any_text, "guided_choice": hostile,
+                "structured_outputs": hostile, "tool_choice": hostile, "priority": extreme_int,
+                "cache_salt": any_text, "prompt_embeds": hostile, "truncation_side": any_text,
+                "kv_transfer_params": hostile, "vllm_xargs": hostile, "max_tokenz": hostile}
+
+# Just past the admission limits (the sampling_params.MAX_LIST_LENGTHS caps, request_id's, prompts x n).
+over_cap = st.integers(1, 40)
+OVER_CAPS = {
+    "stop": over_cap.map(lambda k: ["s"] * (256 + k)),
+    "stop_token_ids": over_cap.map(lambda k: [1] * (4096 + k)),
+    "bad_words": over_cap.map(lambda k: ["w"] * (4096 + k)),
+    "allowed_token_ids": over_cap.map(lambda k: [1] * (262144 + k)),
+    "request_id": st.one_of(over_cap.map(lambda k: "r" * (256 + k)), st.sampled_from(["a\\nb", "a\\rb", "\\x00"])),
+    "n": st.integers(MAX_SEQUENCES + 1, 4 * MAX_SEQUENCES),
+}
 
 
 def bodies(required: dict, optional: dict):
     plausible = st.fixed_dictionaries(required, optional=optional)
     names = sorted({*required, *optional, *HOSTILE_ONLY})
-    one_bad = st.tuples(plausible, st.sampled_from(names), hostile).map(lambda t: {**t[0], t[1]: t[2]})
+    one_bad = st.one_of(
+        st.tuples(plausible, st.sampled_from(names), hostile).map(lambda t: {**t[0], t[1]: t[2]}),
+        st.tuples(plausible, st.sampled_from(sorted(OVER_CAPS)).flatmap(lambda k: st.tuples(st.just(k), OVER_CAPS[k])))
+        .map(lambda t: {**t[0], t[1][0]: t[1][1]}))
     anything = st.fixed_dictionaries({k: st.one_of(v, hostile) for k, v in required.items()},
                                      optional={k: st.one_of(v, hostile) for k, v in {**optional, **HOSTILE_ONLY}.items()})
     return st.one_of(plausible, one_bad, anything)
@@ -120,7 +148,8 @@ def bodies(required: dict, optional: dict):
 
 max_tokens = st.integers(1, 4)
 completion_body = bodies({"prompt": st.one_of(clean_text, st.lists(clean_text, min_size=1, max_size=3), token_ids,
-                                              st.lists(token_ids, min_size=1, max_size=3)),
+                                              st.lists(token_ids, min_size=1, max_size=3),
+                                              st.lists(token_ids, min_size=MAX_PROMPTS + 1, max_size=MAX_PROMPTS + 4)),
                           "max_tokens": max_tokens}, COMPLETION)
 chat_body = bodies({"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": max_tokens}, CHAT)
 tokenize_body = bodies({"prompt": clean_text}, {"model": st.just("tiny"), "add_special_tokens": st.booleans()})
@@ -130,7 +159,9 @@ raw_bytes = st.one_of(
     st.integers(1, 5000).map(lambda d: b'{"prompt": ' + b"[" * d + b"]" * d + b', "max_tokens": 1}'),
     st.integers(1, 300_000).map(lambda k: b'{"prompt": "' + b"a" * k + b'", "max_tokens": 1}'),
 )
-one_request = st.one_of(
+VLLM_ONLY_PATHS = ["/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank", "/pooling", "/classify",
+                   "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/audio/transcriptions"]
+one_body = st.one_of(
     st.tuples(st.just("/v1/completions"), completion_body),
     st.tuples(st.just("/v1/completions"), completion_body),
     st.tuples(st.just("/v1/chat/completions"), chat_body),
@@ -138,7 +169,14 @@ one_request = st.one_of(
     st.tuples(st.just("/tokenize"), tokenize_body),
     st.tuples(st.just("/detokenize"), detokenize_body),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]), raw_bytes),
+    st.tuples(st.sampled_from(VLLM_ONLY_PATHS), hostile),
 )
+# Mostly the server's own Host; sometimes a foreign one (421) or the OpenAI client's timeout (504 if passed).
+headers = st.fixed_dictionaries({}, optional={
+    "host": st.sampled_from(["localhost", "evil.example", "127.0.0.1.evil.example:80", "[::1]"]),
+    "x-stainless-read-timeout": st.sampled_from(["0.2", "30", "abc", "-1", "inf", "nan", ""]),
+})
+one_request = st.tuples(one_body, headers).map(lambda t: (*t[0], t[1]))
 
 
 # ---- sending and judging -------------------------------------------------------------------------------------
@@ -148,12 +186,12 @@ def _encode(body) -> bytes:
     return json.dumps(body, allow_nan=True).encode()  # ensure_ascii: surrogates travel as \ud800 escapes
 
 
-async def _send(client: httpx.AsyncClient, path: str, body) -> str | None:
+async def _send(client: httpx.AsyncClient, path: str, body, headers: dict) -> str | None:
     """Sends one request; returns a description of what was wrong with the answer, or None."""
     streaming = isinstance(body, dict) and body.get("stream") is True
     try:
         async with client.stream("POST", path, content=_encode(body),
-                                 headers={"content-type": "application/json"}) as r:
+                                 headers={"content-type": "application/json", **headers}) as r:
             data = await r.aread()
     except httpx.TimeoutException:
         TALLY["hang"] += 1
@@ -172,7 +210,7 @@ async def _send(client: httpx.AsyncClient, path: str, body) -> str | None:
             return None
         json.loads(data)
         return None if not streaming else "stream asked, JSON answered"
-    if 400 <= r.status_code < 500:
+    if 400 <= r.status_code < 500 or (r.status_code == 504 and "x-stainless-read-timeout" in headers):
         try:
             error = json.loads(data)["error"]
             assert error["code"] == r.status_code and isinstance(error["message"], str) and error["type"]
@@ -186,10 +224,10 @@ def _check_batch(server, batch) -> None:
     async def main():
         limits = httpx.Limits(max_connections=16)
         async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-            return await asyncio.gather(*(_send(client, path, body) for path, body in batch))
+            return await asyncio.gather(*(_send(client, path, body, headers) for path, body, headers in batch))
 
-    problems = [(path, body if not isinstance(body, bytes) else body[:100], p)
-                for (path, body), p in zip(batch, asyncio.run(main())) if p is not None]
+    problems = [(path, body if not isinstance(body, bytes) else body[:100], headers, p)
+                for (path, body, headers), p in zip(batch, asyncio.run(main())) if p is not None]
     health = httpx.get(server.url + "/health", timeout=REQUEST_TIMEOUT_S).status_code
     TALLY["health_checks"] += 1
     TALLY["health_not_200"] += health != 200

@@ -244,7 +244,7 @@ def test_9_connections_that_never_finish_their_headers_are_dropped(server):
     socks = []
     for _ in range(20):
         s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         socks.append(s)
     try:
         for s in socks:
@@ -257,7 +257,7 @@ def test_9_connections_that_never_finish_their_headers_are_dropped(server):
 
 def test_9_a_body_that_stalls_gets_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"prompt\": ")
         answer = b""
         while chunk := s.recv(4096):

@@ -3,7 +3,9 @@ as printed after its two set-up commands (only the port differs: the test server
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,17 +71,47 @@ def test_readme_blocks_are_all_classified():
     assert {body.strip() for lang, body in _all_blocks() if lang == "bash"} >= SETUP_BLOCKS
 
 
+def _run_block(lang: str, code: str) -> subprocess.CompletedProcess:
+    """One README block, run in the checkout as a reader runs it; what it writes there is removed afterwards
+    (`kvserve tune --results tune.jsonl` writes into the current directory), so the tests leave no files."""
+    repo = README.parent
+    before = set(os.listdir(repo))
+    cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    try:
+        # A bound for hangs, not a speed check: the HF baseline alone takes minutes on a busy 2-core machine.
+        return subprocess.run(cmd, cwd=repo, check=False, capture_output=True, text=True, timeout=1800)
+    finally:
+        for name in set(os.listdir(repo)) - before:
+            path = repo / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def test_readme_blocks_leave_no_files_in_the_checkout():
+    made = README.parent / "written-by-a-readme-block.jsonl"
+    assert _run_block("bash", f"echo '{{}}' > {made.name} && test -s {made.name}").returncode == 0
+    assert not made.exists()
+
+
+def test_readme_test_commands_say_what_they_need():
+    """A pytest block needs the test extra: the README says to run `make install-test` before it."""
+    text = README.read_text()
+    blocks = [m for m in re.finditer(r"```(\w*)\n(.*?)```", text, flags=re.DOTALL) if "pytest" in m.group(2)]
+    assert blocks
+    for m in blocks:
+        paragraph = text[:m.start()].rstrip().rsplit("\n\n", 1)[-1]
+        assert "make install-test" in paragraph + m.group(2), m.group(2)
+
+
 def test_readme_every_runnable_block_runs_as_printed(server):
     """After `make run` (here: the module's server on a free port), each block exits 0, in README order."""
-    repo = README.parent
     ran = 0
     for lang, body in _all_blocks():
         if lang not in RUNNABLE or body.strip() in SETUP_BLOCKS:
             continue
-        code = body.replace(README_URL, server.url)
-        cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-        # A bound for hangs, not a speed check: the HF baseline alone takes minutes on a busy 2-core machine.
-        out = subprocess.run(cmd, cwd=repo, check=False, capture_output=True, text=True, timeout=1800)
+        out = _run_block(lang, body.replace(README_URL, server.url))
         assert out.returncode == 0, f"README block failed:\n{body}\n--- stderr ---\n{out.stderr[-3000:]}"
         ran += 1
     assert ran >= 6

@@ -167,12 +167,12 @@ def test_a_request_waiting_for_its_grammar_holds_up_no_one():
     out = s.schedule()
     assert [r.request_id for r in out.scheduled] == ["free", "ready"]
     assert [r.request_id for r in s.waiting] == ["slow"]
-    s.update(out, {"free": 7, "ready": 8})
+    s.update(out, {"free": [7], "ready": [8]})
     assert g.accepted == [("ready", 8)]
     g.status_of["slow"] = "failed"
     out = s.schedule()
     assert "slow" not in [r.request_id for r in out.scheduled]
-    touched = s.update(out, {r.request_id: 9 for r in out.scheduled})
+    touched = s.update(out, {r.request_id: [9] for r in out.scheduled})
     failed = [r for r in touched if r.request_id == "slow"]
     assert failed and failed[0].status == RequestStatus.FINISHED_ABORTED
     assert "slow" not in s.requests and "slow" not in g
@@ -189,8 +189,8 @@ def test_a_constrained_request_is_not_scheduled_ahead_of_its_token():
     first = s.schedule()
     second = s.schedule()  # before first's tokens are known
     assert [r.request_id for r in second.scheduled] == ["u"]
-    s.update(first, {"c": 5, "u": 6})
-    s.update(second, {"u": 7})
+    s.update(first, {"c": [5], "u": [6]})
+    s.update(second, {"u": [7]})
     assert "c" in [r.request_id for r in s.schedule().scheduled]
 
 

@@ -1,47 +1,25 @@
-"""The Triton attention backend against the torch reference (fp32), on the CPU through Triton's interpreter.
-
-TRITON_INTERPRET must be set before triton is first imported (triton.language's own helpers such as
-tl.zeros are @triton.jit functions, wrapped for the interpreter or not at that import). So in an ordinary
-run (`python -m pytest tests`, triton not interpreted) this module holds one test that re-runs this file
-in a fresh `python -m pytest` subprocess with TRITON_INTERPRET=1, and the kernel tests themselves run
-only inside that subprocess (or when the whole session was started with TRITON_INTERPRET=1), on CPU
-tensors. Where CUDA is available, the same kernel tests also run compiled on the GPU in the outer process.
-"""
+"""The Triton attention backend against the torch reference (fp32): on CPU tensors under Triton's
+interpreter (tests/test_triton_interpreter.py runs this file so) and compiled on CUDA tensors (the gpu
+tier, `pytest -m gpu`): see tests/triton_interpreter.py."""
 
 from __future__ import annotations
-
-import os
-import re
 
 import pytest
 import torch
 
 from tests import paged_batch
-from tests.triton_interpreter import run_file_in_interpreter
+from tests.triton_interpreter import KERNEL_DEVICE, KERNEL_TIER, compiled_only
 
 pytest.importorskip("triton")
 
+import kvserve.ops.triton_attention as ta
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.ops.torch_attention import TorchAttentionBackend
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = KERNEL_TIER
 ATOL = 1e-4
 RTOL = 1e-4
-
-
-@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
-def test_triton_kernels_in_interpreter_subprocess():
-    out = run_file_in_interpreter(__file__)
-    summary = out.strip().splitlines()[-1]
-    if not re.search(r"\d+ passed", summary):
-        pytest.skip(f"interpreter run passed nothing: {summary}")
-    print(summary)
-
-
-# Where the kernel tests run: CPU tensors under the interpreter, else the GPU if there is one.
-DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-if DEVICE is not None:
-    import kvserve.ops.triton_attention as ta
+DEVICE = KERNEL_DEVICE
 
 
 def make_batch(ctx_lens, q_lens, **kw):
@@ -69,18 +47,6 @@ def check(ctx_lens, q_lens, backend=None, **kw):
     torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)
     torch.testing.assert_close(out[:n], ref[:n], atol=ATOL, rtol=RTOL)
     return out, ref
-
-
-@pytest.fixture(scope="module", autouse=INTERPRETED)
-def interpreter_works():
-    """Triton 3.6's interpreter turns a loop bound into a python int with int(1-element array), which
-    numpy >= 2.4 refuses; triton >= 3.7 fixed it. Skip (with the reason) rather than fail on that."""
-    try:
-        check([3], [1])
-    except Exception as exc:
-        if "0-dimensional arrays" in repr(exc):
-            pytest.skip(f"this triton's interpreter cannot run with this numpy ({exc!r}); use triton>=3.7")
-        raise
 
 
 # --- decode-only -------------------------------------------------------------------------------------
@@ -228,7 +194,48 @@ def test_get_attention_backend():
     assert type(get_attention_backend("triton")).__name__ == "TritonAttentionBackend"
 
 
-if DEVICE is None:
-    # An ordinary CPU run collects only the subprocess runner above; the kernel tests run inside it.
-    for _name in [n for n in globals() if n.startswith("test_") and n != "test_triton_kernels_in_interpreter_subprocess"]:
-        del globals()[_name]
+
+# --- 16-bit activations and caches, as served ---------------------------------------------------------
+
+HALF_CASES = [  # (context lengths, query lengths, forced split-KV): prefill, mixed, decode, split-KV decode
+    ([0, 0], [40, 7], None),
+    ([21, 5, 0, 47], [19, 1, 6, 1], None),
+    ([0, 6, 29, 300], [1, 1, 1, 1], False),
+    ([599, 300], [1, 1], True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=compiled_only)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("ctx_lens,q_lens,split", HALF_CASES, ids=["prefill", "mixed", "decode", "split-kv"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_16bit_kv_cache(dtype, ctx_lens, q_lens, split, head_dim):
+    """q/k/v and the cache in the served dtype against the fp32 reference over the same (rounded) values:
+    the cache holds the exact k/v bytes; the output is off by the 16-bit rounding of P and of the result."""
+    q, k, v, kv_cache, meta = make_batch(ctx_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                                         block_size=16, seed=head_dim + len(ctx_lens))
+    q, k, v, kv_cache = (x.to(dtype) for x in (q, k, v, kv_cache))
+    backend = ta.TritonAttentionBackend(split_kv=split, num_splits=3 if split else None)
+    n = meta.num_actual_tokens
+    ref_cache = kv_cache.float()
+    ref_meta = AttentionMetadata(**{**meta.__dict__, "slot_mapping": meta.slot_mapping[:n]})
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), ref_cache, ref_meta, head_dim ** -0.5)
+    tri_cache = kv_cache.clone()
+    out = backend.forward(q, k, v, tri_cache, meta, head_dim ** -0.5)
+    assert out.dtype == dtype
+    assert torch.equal(tri_cache, ref_cache.to(dtype))
+    tol = 5e-3 if dtype == torch.float16 else 3e-2
+    torch.testing.assert_close(out[:n].float(), ref[:n], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (32, 8)])
+def test_long_prefill_config(num_heads, num_kv_heads):
+    """Steps with a long query take LONG_PREFILL_CONFIG (bigger tiles); here the threshold is lowered so a
+    40-token prompt and a chunk on a cached prefix take it, against the reference."""
+    backend = ta.TritonAttentionBackend()
+    assert backend.launch_config(1) == backend.DECODE_CONFIG
+    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY - 1) == backend.PREFILL_CONFIG
+    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY) == backend.LONG_PREFILL_CONFIG
+    backend.LONG_PREFILL_MIN_QUERY = 32
+    check([0, 77, 5], [40, 33, 1], backend, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+          block_size=16, seed=num_heads)

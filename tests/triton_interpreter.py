@@ -1,6 +1,11 @@
-"""Triton kernel tests on a machine without a GPU: they run under Triton's interpreter, which must be switched
-on (TRITON_INTERPRET=1) before triton is first imported, so a test file re-runs itself in a fresh pytest
-subprocess with it set."""
+"""The two tiers of the Triton kernel tests.
+
+* CPU (CI): Triton's interpreter runs the kernels on CPU tensors. It must be switched on
+  (TRITON_INTERPRET=1) before triton is first imported, so tests/test_triton_interpreter.py re-runs each
+  kernel test file in a fresh pytest subprocess with it set.
+* GPU (`pytest -m gpu`): the same tests, compiled, on CUDA tensors. Outside the interpreter every kernel
+  test carries the `gpu` mark (KERNEL_TIER), which conftest.py skips where there is no CUDA.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Where a kernel test puts its tensors: the interpreter reads CPU memory, compiled kernels need CUDA memory.
+KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
+# A kernel test file's `pytestmark`: the gpu tier, except inside the interpreter run.
+KERNEL_TIER = [] if INTERPRETED else [pytest.mark.gpu]
+# For the few cases that only the compiled tier can check (the interpreter's bf16 tl.dot multiplies raw bits).
+compiled_only = pytest.mark.skipif(INTERPRETED, reason="the interpreter cannot run this case (bf16 tl.dot)")
+
+
+def interpreter_unusable() -> str | None:
+    """Why this triton's interpreter cannot run here, or None. Triton 3.6's interpreter turns a loop bound
+    into a python int with int(1-element array), which numpy >= 2.4 refuses; triton 3.7 fixed it (the GPU
+    image pairs triton 3.6 with numpy 2.5)."""
+    import numpy
+    import triton
+
+    def version(text: str) -> tuple[int, int]:
+        major, minor = text.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+        return f"triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__}: use triton>=3.7"
+    return None
 
 
 def run_file_in_interpreter(test_file: str, timeout: float = 900) -> str:
     """Runs `test_file` under the interpreter; fails with its output unless it passed; returns the output."""
+    reason = interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test_file]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("random", "sharegpt", "prefix", "w1")
+DATASETS = ("random", "sharegpt", "prefix", "w1", "w2")
 
 # W1, the GPU reference workload: Llama-3.1-8B architecture with dummy weights (docs/DESIGN.md, "Measuring").
 W1_MODEL_ALIAS = "w1-llama-8b-dummy"
@@ -30,6 +30,22 @@ W1_CONFIG = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
     "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+# W2, the long-context GPU workload: a Gemma-3-12B-shaped text model (interleaved 1024-token windows) with
+# dummy weights, 64 requests of 6,000-15,000 prompt and 128-512 output tokens, max_model_len 16384.
+W2_NUM_REQUESTS = 64
+W2_PROMPT_TOKENS = 713_959
+W2_OUTPUT_TOKENS = 20_920
+W2_MAX_MODEL_LEN = 16384
+W2_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840,
+    "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "vocab_size": 262208, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1,
 }
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py: is_valid_sequence).
@@ -113,6 +129,34 @@ def w1_requests(num_prompts: int | None = None) -> list[SampleRequest]:
     return out
 
 
+def w2_requests(num_prompts: int | None = None) -> list[SampleRequest]:
+    """W2: per request in_len = randint(6000, 15000), out_len = randint(128, 512), then the ids from
+    randint(100, 119999), all from random.Random(2); the first num_prompts."""
+    rng = random.Random(2)
+    out = []
+    for _ in range(W2_NUM_REQUESTS):
+        in_len = rng.randint(6000, 15000)
+        out_len = rng.randint(128, 512)
+        ids = [rng.randint(100, 119999) for _ in range(in_len)]
+        out.append(SampleRequest(ids, in_len, out_len, ids))
+    assert sum(r.prompt_len for r in out) == W2_PROMPT_TOKENS
+    assert sum(r.expected_output_len for r in out) == W2_OUTPUT_TOKENS
+    assert (out[0].prompt_len, out[0].expected_output_len) == (6926, 174)
+    if num_prompts is not None:
+        if not 1 <= num_prompts <= W2_NUM_REQUESTS:
+            raise ValueError(f"--num-prompts for W2 must be between 1 and {W2_NUM_REQUESTS}, got {num_prompts}.")
+        out = out[:num_prompts]
+    return out
+
+
+def write_w2_config(directory: str | None = None) -> str:
+    """A model directory holding only W2's config.json: load it with load_format='dummy'."""
+    path = directory or tempfile.mkdtemp(prefix="kvserve-w2-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(W2_CONFIG, f)
+    return path
+
+
 def _first_exchange(conversations) -> tuple[str, str] | None:
     """The first human turn and the gpt reply right after it."""
     for turn, reply in itertools.pairwise(conversations):
@@ -166,7 +210,9 @@ def write_w1_config(directory: str | None = None) -> str:
 
 
 def default_num_prompts(dataset: str) -> int:
-    return W1_NUM_REQUESTS if dataset == "w1" else 1000  # vLLM's default for the others
+    if dataset in ("w1", "w2"):
+        return W1_NUM_REQUESTS if dataset == "w1" else W2_NUM_REQUESTS
+    return 1000  # vLLM's default for the others
 
 
 def build_requests(dataset: str, *, num_prompts: int | None, input_len: int | None, output_len: int | None,
@@ -184,6 +230,11 @@ def build_requests(dataset: str, *, num_prompts: int | None, input_len: int | No
             raise ValueError(f"W1 uses token ids up to 119999 but this model's vocabulary has {vocab_size}: "
                              f"run W1 on its Llama-3.1-8B shape (--model {W1_MODEL_ALIAS}).")
         return w1_requests(n)
+    if dataset == "w2":
+        if vocab_size is not None and vocab_size < W1_MIN_VOCAB:
+            raise ValueError(f"W2 uses token ids up to 119999 but this model's vocabulary has {vocab_size}: "
+                             f"run W2 on its Gemma-3 shape (kvserve.bench.datasets.write_w2_config).")
+        return w2_requests(n)
     if dataset == "sharegpt":
         if dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json (a ShareGPT-format list).")

@@ -34,7 +34,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     """One sequence as the scheduler sees it.
 
-    `sampling_params` is opaque to the core except for the few fields read by `check_stop`
+    `sampling_params` is opaque to the core except for the few fields read by `stop_status`
     (max_tokens, min_tokens, ignore_eos, stop_token_ids), so the core stays free of torch.
     """
 
@@ -52,6 +52,15 @@ class Request:
     # Async scheduling: tokens sampled by a step still in flight, whose ids the host does not know yet.
     # The next step can already compute them: the model runner reads their ids on the device.
     num_pending_outputs: int = 0
+    # Speculative decoding: drafts offered for the next step, and how many the step in flight verifies
+    # (its token count is unknown until update, so the request is not scheduled again before then).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_in_flight: int = 0
+    # Drafts this request had verified, and how many of them were accepted (RequestOutput.metrics).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Output tokens the workers have been sent (step messages carry only the ones after these).
+    num_output_tokens_sent: int = 0
     # Chained hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
@@ -91,6 +100,14 @@ class Request:
             return True
         return self.max_model_len is not None and self.num_tokens + extra_tokens >= self.max_model_len
 
+    def max_num_drafts(self) -> int:
+        """Drafts a step may verify: all of them accepted plus one more token must stay within the caps."""
+        room = self.max_model_len - self.num_tokens - 1 if self.max_model_len is not None else 1 << 30
+        max_tokens = getattr(self.sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(self.output_token_ids) - 1)
+        return max(0, room)
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -112,24 +129,21 @@ class Request:
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
 
-    def check_stop(self) -> bool:
-        """Sets a finished status when the newest token ends the request; returns whether it did."""
+    def stop_status(self) -> tuple[RequestStatus, int | None] | None:
+        """(finished status, stop token id) when the newest token ends the request, else None. Only read
+        here: the scheduler's update sets it."""
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         if n_out == 0:
-            return False
+            return None
         last = self.output_token_ids[-1]
         min_tokens = getattr(params, "min_tokens", 0) or 0
         if n_out >= min_tokens:
             if (not getattr(params, "ignore_eos", False)) and last == self.eos_token_id:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
+                return RequestStatus.FINISHED_STOPPED, None
             stop_ids = getattr(params, "stop_token_ids", None) or ()
             if last in stop_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
+                return RequestStatus.FINISHED_STOPPED, last
         if self._length_capped():
-            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None

@@ -8,19 +8,31 @@ Computed counts advance when a step is scheduled, not when it returns, so the ne
 scheduled while this one still runs (async scheduling). A token sampled by a step in flight is
 "pending": the next step may already compute it, with PLACEHOLDER_TOKEN_ID standing for the id the
 model runner reads on the device; `update` then fills in the real id.
+
+Speculative decoding: a decoding request may carry draft tokens (`update_draft_token_ids`). A step then
+computes them after its last known token (their slots are lookahead: allocated, never cached) and
+samples at each; `update` receives the accepted drafts plus one token, appends them one by one while
+checking stops (a stop in the middle drops the rest), and rolls back the rejected ones: the computed
+count goes back and blocks past it are freed. `update` is the only writer of a request's status.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import RequestQueue
+from kvserve.core.sched_output import (  # the step's types, also imported from here by the scheduler's users
+    PLACEHOLDER_TOKEN_ID,
+    PreemptionEvent,
+    ScheduledRequest,
+    SchedulerOutput,
+    build_step_message,
+)
 
 _WAIT = object()  # admission of this request must wait for another one to progress
-PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -44,59 +56,6 @@ class SchedulerConfig:
     swap_seconds_per_block: float = 0.0
 
 
-@dataclass
-class PreemptionEvent:
-    """One preemption, as the engine logs it."""
-
-    request_id: str
-    mode: str  # "recompute" | "swap"
-    num_tokens: int  # K/V tokens dropped (to recompute) or kept on CPU (swapped)
-    num_blocks: int  # GPU blocks freed
-    kv_usage: float  # GPU KV usage after the preemption
-    num_running: int
-    num_waiting: int
-
-
-@dataclass
-class ScheduledRequest:
-    """What the model runner needs for one request in one step."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step (the last may be PLACEHOLDER_TOKEN_ID)
-    start_pos: int  # position of token_ids[0] == tokens already in the cache
-    new_block_ids: list[int]  # appended to the request's block table
-    is_new: bool  # first step since admission/resumption: the runner starts a fresh block table
-    needs_sample: bool  # this step reaches the end of the known tokens
-    sampling_params: object
-    output_len: int  # output tokens so far (seeded sampling, min_tokens)
-    # The request's own lists, by reference (no copy): penalties, bad words and prompt logprobs read them.
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    # The scheduler's own object: its result is dropped if the request ended (or its id was reused) meanwhile.
-    request: Request | None = field(default=None, repr=False)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # Finished since the last step, so the runner can drop per-request state.
-    finished_req_ids: list[str] = field(default_factory=list)
-    # Block copies the runner does before the step's forward, swap-outs first: (gpu_block, cpu_block).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preemptions: list[PreemptionEvent] = field(default_factory=list)
-    # Structured outputs: the int32 [rows, ceil(vocab / 32)] token bitmask of the constrained requests that
-    # sample this step, and request id -> its row; filled by the engine after scheduling (None: no row).
-    grammar_bitmask: object = None
-    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, structured_output=None):
         """structured_output: the StructuredOutputManager that owns the constrained requests' matchers
@@ -109,10 +68,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
+        self._trimmed_since_last_step: dict[str, int] = {}  # request id -> blocks kept after a rollback
         self.num_preemptions = 0
         # request id -> scheduled batches not yet passed to update() that hold it
         self.in_flight: dict[str, int] = {}
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        # Speculative decoding: draft tokens verified, and of those, accepted (appended as outputs).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
 
@@ -155,8 +118,11 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
+                              trimmed_block_tables=self._trimmed_since_last_step)
         self._finished_since_last_step = []
+        if self._trimmed_since_last_step:
+            self._trimmed_since_last_step = {}
         budget = self.config.max_num_batched_tokens
 
         # Running requests first (decodes and unfinished prefill chunks), in admission order.
@@ -166,16 +132,19 @@ class Scheduler:
             if req.certain_to_finish():  # its length cap is reached by tokens in flight: nothing to compute
                 i += 1
                 continue
-            if self.config.exclusive_batches and req.request_id in self.in_flight:
+            if req.num_spec_in_flight or (self.config.exclusive_batches and req.request_id in self.in_flight):
                 i += 1
                 continue
             if req.num_pending_outputs and self._constrained(req):
                 i += 1  # its next mask needs the token still in flight
                 continue
             num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
+            num_drafts = 0
+            if req.spec_token_ids and not req.num_pending_outputs and num_new == req.num_tokens - req.num_computed_tokens:
+                num_drafts = min(len(req.spec_token_ids), budget - num_new, req.max_num_drafts())
             new_block_ids = None
             while True:
-                new_block_ids = self.kv.allocate_slots(req, num_new)
+                new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=num_drafts)
                 if new_block_ids is not None:
                     break
                 victim = self.running.pop()  # the most recently admitted
@@ -185,8 +154,9 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
-            out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=False))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(req, num_new, new_block_ids, False, req.spec_token_ids[:num_drafts]))
+            req.spec_token_ids = []  # offered once: the proposer offers fresh ones after the update
+            budget -= num_new + num_drafts
             i += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short: let it drain).
@@ -239,6 +209,7 @@ class Scheduler:
         in_flight = self.in_flight
         for sched in out.scheduled:
             in_flight[sched.request_id] = in_flight.get(sched.request_id, 0) + 1
+        out.message = build_step_message(out)
         return out
 
     def _constrained(self, req: Request) -> bool:
@@ -269,33 +240,36 @@ class Scheduler:
         # Tokens whose K/V the sibling has, or writes in this step (before any attention reads them).
         if src.num_computed_tokens < num_blocks * bs:
             return _WAIT
-        return self.kv.shared_blocks(src.request_id, num_blocks), num_blocks * bs
+        blocks = self.kv.shared_blocks(src.request_id, num_blocks)
+        return None if blocks is None else (blocks, num_blocks * bs)
 
-    def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool) -> ScheduledRequest:
-        """The step's view of `req`; its computed count (and pending count, if it samples) advance now."""
+    def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool,
+                   drafts: list[int] = ()) -> ScheduledRequest:
+        """The step's view of `req`; its computed count (and pending count, if it samples) advance now.
+        `drafts` are computed after the known tokens (only a chunk that reaches them has any)."""
         start = req.num_computed_tokens
         end = start + num_new
         token_ids = req.token_ids_slice(start, min(end, req.num_tokens))
         if end > req.num_tokens:
             token_ids += [PLACEHOLDER_TOKEN_ID] * (end - req.num_tokens)
         needs_sample = end == req.num_tokens + req.num_pending_outputs
-        sched = ScheduledRequest(
-            request_id=req.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            new_block_ids=new_block_ids,
-            is_new=is_new,
-            needs_sample=needs_sample,
-            sampling_params=req.sampling_params,
-            output_len=req.num_output_tokens + req.num_pending_outputs,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            request=req,
-        )
-        req.num_computed_tokens = end
+        sched = ScheduledRequest(req.request_id, token_ids, start, new_block_ids, is_new, needs_sample,
+                                 req.num_output_tokens + req.num_pending_outputs, req)
+        if drafts:
+            token_ids.extend(drafts)
+            sched.spec_token_ids = drafts
+            req.num_spec_in_flight = len(drafts)
+        req.num_computed_tokens = end + len(drafts)
         if needs_sample:
             req.num_pending_outputs += 1
         return sched
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """Draft tokens a proposer offers for each request's next step (unknown or finished ids are ignored)."""
+        for rid, tokens in drafts.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = list(tokens)
 
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Resumes a swapped-out request where it stopped; returns the tokens scheduled, or None to wait."""
@@ -350,6 +324,8 @@ class Scheduler:
         # preemption (no memory pressure), so no counter moves.
         for req in reversed(self.running):
             req.num_pending_outputs = 0
+            req.num_spec_in_flight = 0
+            req.spec_token_ids = []
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
@@ -357,9 +333,11 @@ class Scheduler:
         self.running.clear()
         for req in self.waiting:
             req.num_pending_outputs = 0
+            req.num_spec_in_flight = 0
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append the step's sampled tokens and finish requests; returns those touched."""
+    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens (one, or its accepted drafts and one more), checking stops on
+        every one; roll back rejected drafts; finish requests. Returns the requests touched."""
         touched, self._grammar_failed = self._grammar_failed, []
         in_flight = self.in_flight
         so = self.structured_output
@@ -368,21 +346,51 @@ class Scheduler:
             if left:
                 in_flight[sched.request_id] = left
             req = sched.request
+            num_drafts = len(sched.spec_token_ids)
+            if num_drafts:
+                req.num_spec_in_flight = 0
             if req.is_finished or not sched.needs_sample:  # finished or aborted after scheduling
                 continue
             req.num_pending_outputs -= 1
-            token = sampled.get(sched.request_id)
-            if token is None:  # it could never be scheduled again: fail loudly rather than spin
-                raise KeyError(f"the step sampled no token for {sched.request_id!r}, which needed one")
-            req.append_output_token(token)
-            grammar_ended = so is not None and req.request_id in so and so.accept_token(req.request_id, token)
-            if req.check_stop():
+            tokens = sampled_token_ids.get(sched.request_id)
+            if not tokens or len(tokens) > num_drafts + 1:  # it could never be scheduled again: fail loudly
+                raise KeyError(f"the step sampled {tokens!r} for {sched.request_id!r}, which needed 1 to "
+                               f"{num_drafts + 1} tokens")
+            stop = None
+            num_appended = 0
+            for token in tokens:
+                req.append_output_token(token)
+                num_appended += 1
+                grammar_ended = so is not None and req.request_id in so and so.accept_token(req.request_id, token)
+                stop = req.stop_status()
+                if stop is None and grammar_ended:  # the grammar's own end (e.g. its stop token under ignore_eos)
+                    stop = (RequestStatus.FINISHED_STOPPED, None)
+                if stop is not None:
+                    break
+            if num_drafts:
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_appended - 1
+                req.num_draft_tokens += num_drafts
+                req.num_accepted_tokens += num_appended - 1
+            if stop is not None:
+                req.status, reason = stop
+                if reason is not None:
+                    req.stop_reason = reason
                 self._finish(req)
-            elif grammar_ended:  # the grammar's own end (e.g. its stop token under ignore_eos)
-                req.status = RequestStatus.FINISHED_STOPPED
-                self._finish(req)
+            elif num_drafts:
+                self._roll_back_rejected(req, num_drafts + 1 - num_appended)
             touched.append(req)
         return touched
+
+    def _roll_back_rejected(self, req: Request, num_rejected: int) -> None:
+        """Forget the K/V of rejected drafts: the computed count goes back, blocks past it are freed."""
+        if not num_rejected or not req.num_computed_tokens:  # all accepted, or preempted by recompute meanwhile
+            return
+        req.num_computed_tokens -= num_rejected
+        if req.status == RequestStatus.RUNNING:
+            kept = self.kv.trim(req)
+            if kept is not None:  # the workers cut their copy of the table with the next message
+                self._trimmed_since_last_step[req.request_id] = kept
 
     # ---- finishing -------------------------------------------------------------------------------
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -402,6 +410,19 @@ class Scheduler:
             self._release(req)
         if leaving_running:
             self.running = [r for r in self.running if r.request_id not in leaving_running]
+
+    def finish_by_stop_strings(self, stops: Iterable[tuple[Request, int, str]]) -> None:
+        """(request, output tokens to keep, stop string) found by the detokenizer: the request ends there,
+        stopped (also when its last token ended it otherwise: the stop string wins, as in vLLM). Tokens
+        after the one that completed the string (accepted drafts) are dropped."""
+        for req, num_kept, stop in stops:
+            del req.output_token_ids[num_kept:]
+            req.num_tokens = req.num_prompt_tokens + len(req.output_token_ids)
+            req.stop_reason = stop
+            was_finished = req.is_finished
+            req.status = RequestStatus.FINISHED_STOPPED
+            if not was_finished:
+                self._finish(req)
 
     def _finish(self, req: Request) -> None:
         if req in self.waiting:  # preempted while its last step was in flight

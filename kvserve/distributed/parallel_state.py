@@ -32,6 +32,9 @@ class ParallelState:
     pp_size: int = 1
     tp_group: object = None
     pp_group: object = None  # this process's ranks with the same tp_rank, one per stage
+    # --enable-expert-parallel: MoE layers place whole experts on the ranks of the TP group (the expert-parallel
+    # group is the TP group) instead of splitting each expert over them.
+    expert_parallel: bool = False
 
     @property
     def tp_rank(self) -> int:
@@ -70,7 +73,7 @@ def get_tp_size() -> int:
 
 
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+                     timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False) -> ParallelState:
     """Joins the world of tp_size * pp_size processes at `init_method` and builds the TP and PP groups."""
     import torch.distributed as dist
 
@@ -86,7 +89,8 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
             f"{timeout_s:.0f} s ({type(e).__name__}: {e}); a worker did not start or cannot reach the "
             f"others (set KVSERVE_DIST_TIMEOUT to wait longer)"
         ) from e
-    state = ParallelState(rank=rank, world_size=world, tp_size=tp_size, pp_size=pp_size)
+    state = ParallelState(rank=rank, world_size=world, tp_size=tp_size, pp_size=pp_size,
+                          expert_parallel=expert_parallel)
     # Every process creates every group, in the same order (new_group is itself a collective).
     for p in range(pp_size):
         ranks = list(range(p * tp_size, (p + 1) * tp_size))

@@ -15,6 +15,10 @@ The two sides share nothing mutable but two channels:
                       per-request streams.
 A stream read more slowly than the engine produces merges the DELTA outputs waiting in it, so a slow
 client costs one bigger chunk rather than a growing backlog (as vLLM's RequestOutputCollector).
+
+Liveness: a dead engine process is seen at once (its sentinel); a stopped or hung one is not, so the
+event loop pings the core every HEARTBEAT_INTERVAL_S and `seconds_since_heard()` says how long ago the
+last batch (a step's, or a ping's answer) arrived. The server's /health turns that into a 503.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
+import multiprocessing.util
 import queue
 import threading
 import time
@@ -31,13 +36,15 @@ from collections.abc import AsyncIterator
 
 from kvserve.background import in_background
 from kvserve.config import EngineArgs
-from kvserve.engine.engine_core import STOP, EngineBatch, EngineCore, run_engine_core_process
+from kvserve.engine.engine_core import PING, STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
 from kvserve.inputs import parse_prompt
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineNotReadyError(RuntimeError):
@@ -52,6 +59,14 @@ class EngineDeadError(EngineFailedError):
     """The engine core (process or thread) is gone: nothing more can be served (vLLM's EngineDeadError)."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted while someone was still reading its stream."""
 
@@ -60,8 +75,9 @@ class RequestStream:
     """One request's outputs on their way from the engine to their consumer (event-loop side only)."""
 
     def __init__(self, request_id: str, kind: RequestOutputKind, arrival: float, prompt: str | None = None,
-                 prompt_token_ids: list[int] | None = None):
+                 prompt_token_ids: list[int] | None = None, num_sequences: int = 1):
         self.request_id = request_id
+        self.num_sequences = num_sequences  # n: the engine runs one sequence per sample
         self.kind = kind
         self.arrival = arrival
         # Outputs from an engine process arrive without these (see ProcessOutbox): they are put back here.
@@ -111,6 +127,14 @@ class RequestStream:
         return out
 
 
+def _stop_process(process, timeout: float) -> None:
+    """Waits up to `timeout` for a process asked to stop, then kills it; either way it is reaped."""
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
 def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     """Appends a later DELTA output to an unread one (both own their lists: the engine made them fresh)."""
     by_index = {c.index: c for c in into.outputs}
@@ -139,8 +163,12 @@ class AsyncEngine:
     """`use_process=True` (the server's choice) runs the EngineCore in a child process; False runs it on a
     thread of this process (quicker to start; for tests and embedding)."""
 
-    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True):
+    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True,
+                 max_waiting_sequences: int | None = None):
+        """`max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a batch
+        that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
         self.args = args
+        self.max_waiting_sequences = max_waiting_sequences
         self.metrics = metrics
         self.use_process = use_process
         self.config = None  # EngineConfig, once loaded
@@ -157,6 +185,9 @@ class AsyncEngine:
         self.on_crashed = None  # called (on the event loop) when the engine dies under the server
         self.kv_snapshot: dict | None = None  # the engine core's latest KV-cache picture (/dashboard)
         self.kv_snapshot_listeners: list = []  # called with each new one, on the event loop
+        self._last_heard = 0.0  # time.monotonic() of the last message from the engine core
+        self._heartbeat_task: asyncio.Task | None = None
+        self._reaper = None  # stops the engine process at interpreter exit if shutdown() did not
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +197,23 @@ class AsyncEngine:
         self._dead = asyncio.Event()
         target = self._run_process if self.use_process else self._run_thread
         self._spawn_thread(target, "kvserve-engine")
+        self._heartbeat_task = self._loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            if self.is_ready:
+                self._commands.put(PING)
+
+    def seconds_since_heard(self) -> float | None:
+        """Seconds since the engine core last published a batch (it answers every ping with one, and
+        publishes after every step); None until it is ready."""
+        if not self.is_ready:
+            return None
+        return time.monotonic() - self._last_heard
+
+    def _heard(self) -> None:  # on the receiving thread: the event loop may be busy
+        self._last_heard = time.monotonic()
 
     async def ready(self) -> None:
         """Returns once the model is loaded; raises what loading raised."""
@@ -189,6 +237,23 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine holds for this side's live streams, running or waiting."""
+        return sum(s.num_sequences for s in self._streams.values())
+
+    def _check_queue_room(self, num_new: int) -> None:
+        """The one bound on waiting work: whatever the engine cannot run at once must fit the waiting queue."""
+        limit = self.max_waiting_sequences
+        if limit is None:
+            return
+        waiting_after = self.num_sequences + num_new - self.args.max_num_seqs
+        if waiting_after > limit:
+            raise EngineOverloadedError(
+                f"The server is busy: {self.num_sequences} sequences are running or queued and this request adds "
+                f"{num_new}, more than --max-num-seqs {self.args.max_num_seqs} running plus "
+                f"--max-waiting-requests {limit} waiting. Retry later.")
+
     def abort_all(self, reason: str) -> None:
         """Ends every request now: each stream's reader gets EngineNotReadyError(reason) (a 503)."""
         for request_id, stream in list(self._streams.items()):
@@ -201,16 +266,17 @@ class AsyncEngine:
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still running and stops the engine."""
         self._stopping = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         self.abort_all("The server is shutting down.")
         self._commands.put(STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._join, timeout)
+        # A core still loading reads no commands yet, and has no requests to finish: stop it now.
+        loading = self._started is not None and not self._started.done()
+        await asyncio.get_running_loop().run_in_executor(None, self._join, 0.0 if loading else timeout)
 
     def _join(self, timeout: float) -> None:
         if self._process is not None:
-            self._process.join(timeout)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(5)
+            _stop_process(self._process, timeout)
         for t in self._threads:
             t.join(timeout)
 
@@ -248,13 +314,15 @@ class AsyncEngine:
         for rid in ids:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
+        self._check_queue_room(sum(params.n for _, _, params in items))
         streams, commands = [], []
+        group = ids[0]  # the batch is one API request: its sequences take one turn in admission
         for rid, (_, prompt, params) in zip(ids, items):
             # Tokenized here, not on the engine thread, so a long prompt never delays a step.
             text, token_ids = parse_prompt(prompt, self.tokenizer)
-            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids)
+            stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids, params.n)
             streams.append(stream)
-            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params, group))
         for stream in streams:
             self._streams[stream.request_id] = stream
         for command in commands:
@@ -295,9 +363,15 @@ class AsyncEngine:
             logger.exception("Engine failed to start")
             self._post(self._on_started, None, None, e)
             return
+        self._heard()
         self._post(self._on_started, engine.config, tokenizer, None)
+
+        def publish(batch):
+            self._heard()
+            self._post(self._on_batch, batch)
+
         try:
-            EngineCore(engine).run(self._take_commands, lambda batch: self._post(self._on_batch, batch))
+            EngineCore(engine).run(self._take_commands, publish)
         except BaseException as e:  # last resort: never die silently
             logger.exception("Engine loop crashed")
             self._post(self._on_crashed, f"The engine loop crashed: {type(e).__name__}: {e}")
@@ -318,6 +392,10 @@ class AsyncEngine:
                                     name="kvserve-engine-core", daemon=True)
         try:
             self._process.start()
+            # It ignores SIGTERM (group signals must not kill it under the drain), so multiprocessing's own
+            # exit handler, which terminates and then joins, would wait on it for ever: this runs first.
+            self._reaper = multiprocessing.util.Finalize(self, _stop_process, args=(self._process, 1.0),
+                                                         exitpriority=10)
             logger.info("Engine core process started (pid %d)", self._process.pid)
             child_conn.close()
             kind, payload = conn.recv()
@@ -332,6 +410,7 @@ class AsyncEngine:
             logger.error("Engine failed to start: %s", e)
             self._post(self._on_started, None, None, e)
             return
+        self._heard()
         self._post(self._on_started, payload, tokenizer, None)
         self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
         # Wait on the pipe and on the process itself: a grandchild holding the pipe open must not hide the
@@ -341,7 +420,9 @@ class AsyncEngine:
             ready = mp_connection.wait([conn, sentinel])
             try:
                 if conn in ready or conn.poll(0):
-                    self._post(self._on_batch, conn.recv())
+                    batch = conn.recv()
+                    self._heard()
+                    self._post(self._on_batch, batch)
                     continue
             except (EOFError, OSError):
                 break

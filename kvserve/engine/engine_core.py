@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve import log_safety
+from kvserve.child_signals import ignore_group_signals
 from kvserve.executor.abstract import ExecutorDeadError
 from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.engine.kv_snapshot import SnapshotSampler
@@ -26,8 +27,10 @@ from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params) | ("abort", id) | ("stop",)
+# Commands are plain tuples, so they pickle cheaply: ("add", id, prompt, params, group) | ("abort", id) | ("stop",)
+# | ("ping",), which only makes an idle core publish a batch: the server's proof that the step loop lives.
 STOP = ("stop",)
+PING = ("ping",)
 
 
 @dataclass
@@ -56,9 +59,9 @@ class EngineCore:
             for cmd in take_commands(not engine.has_unfinished_requests()):
                 kind = cmd[0]
                 if kind == "add":
-                    _, rid, prompt, params = cmd
+                    _, rid, prompt, params, group = cmd
                     try:
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, prompt, params, group)
                         self.live.add(rid)
                         accepted.append((rid, None))
                     except Exception as e:  # noqa: BLE001 - a bad request is the caller's error, not ours
@@ -70,6 +73,7 @@ class EngineCore:
                 elif kind == "stop":
                     engine.abort_request(list(self.live))
                     return
+                # "ping": nothing to do; the batch published below is the answer
             outputs: list[RequestOutput] = []
             failed: list[str] = []
             failed_reason = None
@@ -119,11 +123,10 @@ def _portable(e: Exception) -> Exception:
 def run_engine_core_process(args, conn) -> None:
     """Entry point of the engine process: load, report ("ready", config) or ("error", message), then serve
     commands arriving on `conn` until "stop" or until the server's end of the pipe closes."""
-    # The server decides when the engine stops (it drains first): a Ctrl-C in the terminal reaches the whole
-    # process group, and must not kill the engine under in-flight requests.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_group_signals()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    log_safety.install()
     try:
         from kvserve.engine.llm_engine import LLMEngine
 

@@ -29,10 +29,11 @@ from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.drafter import Drafter
+from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.stats import SpecDecodeStats
+from kvserve.units import GiB
 from kvserve.structured_output.engine_setup import make_structured_output_manager
-from kvserve.worker import memory
-from kvserve.worker.runner_output import PendingOutput
-from kvserve.worker.sampling_metadata import sampling_inputs_valid
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     sched_out: SchedulerOutput
     scheduled_time: float
-    pending: PendingOutput
+    pending: object  # the executor's launched step: result() -> RunnerOutput
 
 
 @dataclass
@@ -53,6 +54,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
+    # Speculative decoding (None when off): acceptance totals since start, and drafts per request now.
+    spec_decode: SpecDecodeStats | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -81,7 +85,8 @@ class LLMEngine:
             logger.info(describe_generation_defaults(args.generation_config, config.default_sampling))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               num_cpu_blocks=swap.pop("num_cpu_blocks"))
+                                               num_cpu_blocks=swap.pop("num_cpu_blocks"),
+                                               sliding_window=config.model_config.kv_cache_window)
         self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
@@ -103,10 +108,14 @@ class LLMEngine:
             structured_output=self.structured_output,
         )
         self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
-        self.output_processor = OutputProcessor(
-            self.tokenizer, config.model_config.vocab_size,
-            finish_stopped=lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
+        # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
+        self.proposer: Proposer | None = None
+        self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
+        self._drafting_now = False  # this step's decision (LLMEngine._drafting)
+        if config.args.speculative_config is not None:
+            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
@@ -126,7 +135,7 @@ class LLMEngine:
         args = self.config.args
         bytes_per_block = self.executor.kv_bytes_per_block
         mode = getattr(args, "preemption_mode", "recompute")
-        num_cpu_blocks = int(args.swap_space * memory.GiB) // bytes_per_block if mode != "recompute" else 0
+        num_cpu_blocks = int(args.swap_space * GiB) // bytes_per_block if mode != "recompute" else 0
         if mode != "recompute" and num_cpu_blocks == 0:
             logger.warning("--swap-space %s GiB holds no %d-byte block: preemption recomputes", args.swap_space,
                            bytes_per_block)
@@ -156,7 +165,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    group: str | None = None) -> str:
+        """`group`: the API request this prompt came from (several prompts share one); admission takes turns
+        across groups. Default: the request's own."""
         arrival = time.time()
         params = (params or SamplingParams()).clone()  # resolved below; the caller's object stays as it was
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -169,12 +181,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(
-                f"The prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len} "
-                f"(max_model_len). Shorten the prompt or raise --max-model-len."
-            )
+        self.scheduler.check_fits(len(token_ids))  # the prompt-length limits, checked in one place
         self._resolve_params(params)
         if params.structured_outputs is not None and self.structured_output is None:
             raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
@@ -182,7 +189,7 @@ class LLMEngine:
         first_id = samples[0][0]
         requests = [
             Request(sample_id, token_ids, sample_params, eos_token_id=self.eos_token_id,
-                    prefix_source_id=None if sample_id == first_id else first_id)
+                    prefix_source_id=None if sample_id == first_id else first_id, group_id=group or request_id)
             for sample_id, sample_params in samples
         ]
         added = []
@@ -263,7 +270,8 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self._in_flight is not None and self._needs_history:
+        self._drafting_now = self._drafting()
+        if self._in_flight is not None and (self._needs_history or self._drafting_now):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
         sched_out = self._schedule()
@@ -273,7 +281,7 @@ class LLMEngine:
         if self._needs_history and sched_out.finished_req_ids:
             self._needs_history.difference_update(sched_out.finished_req_ids)
         if not sched_out.is_empty:
-            memory.maybe_inject_oom("step")
+            self.executor.maybe_inject_step_oom()
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
@@ -287,7 +295,8 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         sched_out = self.scheduler.schedule()
         if self.structured_output is not None and sched_out.scheduled:
-            sched_out.grammar_bitmask, sched_out.structured_output_request_ids = \
+            msg = sched_out.message  # the workers' copy: its grammar slots
+            msg.grammar_bitmask, msg.structured_output_request_ids = \
                 self.structured_output.grammar_bitmask(sched_out.scheduled)
         return sched_out
 
@@ -301,7 +310,7 @@ class LLMEngine:
         if self.max_batches_in_flight > 1 or not scheduled:
             raise RuntimeError("a failed pipelined step cannot be attributed to its requests")
         vocab = self.config.model_config.vocab_size
-        culprits = {s.request_id for s in scheduled if not sampling_inputs_valid(s, vocab)}
+        culprits = self.executor.invalid_sampling_requests([s.request for s in scheduled], vocab)
         if not culprits:
             culprits = {s.request_id for s in scheduled}
         parents = {self.output_processor.samples[c].parent.request_id for c in culprits
@@ -316,6 +325,7 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
+        self._drafting_now = self._drafting()
         sched_out = self._schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
@@ -362,8 +372,42 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.pending.result()
-        touched = self.scheduler.update(step.sched_out, result.sampled)
-        return self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        new_tokens = dict(zip(result.req_ids, result.sampled_token_ids))
+        touched = self.scheduler.update(step.sched_out, new_tokens)
+        if self.drafter is not None:
+            for sched in step.sched_out.scheduled:
+                tokens = new_tokens.get(sched.request_id)
+                if sched.spec_token_ids and tokens:
+                    self.drafter.observe(len(sched.spec_token_ids), len(tokens) - 1)
+        stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
+        if stops:
+            self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
+        outputs = self.output_processor.make_outputs()
+        if self._drafting_now:
+            self._propose()
+        return outputs
+
+    def _drafting(self) -> bool:
+        """Decided once per step: whether the coming steps verify drafts. They then run one at a time (a
+        proposer needs each step's tokens); while the draft budget has speculation off, steps stay
+        asynchronous."""
+        if self.proposer is None:
+            return False
+        return self.drafter is None or self.drafter.decide(len(self.scheduler.running)).num_draft_tokens > 0
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
+        proposer needs each step's tokens before the next step is scheduled."""
+        self.proposer = proposer
+
+    def _propose(self) -> None:
+        # Requests with a step in flight (async scheduling, pipeline batches) are left out: their drafts
+        # would start at the wrong position.
+        running = [r for r in self.scheduler.running if not r.num_pending_outputs]
+        if running:
+            drafts = self.proposer.propose(running)
+            if drafts:
+                self.scheduler.update_draft_token_ids(drafts)
 
     def get_stats(self) -> EngineStats:
         pc = self.kv_cache_manager.prefix_cache_stats
@@ -375,5 +419,7 @@ class LLMEngine:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
+            spec_decode=self.drafter.totals.copy() if self.drafter is not None else None,
+            num_speculative_tokens=self.drafter.last_choice.num_draft_tokens if self.drafter is not None else None,
         )
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvserve.spec_decode.stats import SpecDecodeStats
+
 logger = logging.getLogger("kvserve.metrics")
 
 PREFIX = "kvserve:"
@@ -77,6 +79,20 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Number of tokens per engine step.", _ITERATION_TOKEN_BUCKETS)
 
+        # Speculative decoding, under vLLM's names (a counter of drafts, draft tokens, accepted tokens, and
+        # accepted tokens by draft position); plus the draft tokens per request the budget chose last.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
+        self._spec_decode_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels + ["position"], registry=self.registry)
+        self.spec_decode_num_speculative_tokens = gauge(
+            "spec_decode_num_speculative_tokens",
+            "Draft tokens per request in the latest step: the budget's choice from batch size and acceptance.")
+        self._spec_decode_totals = None  # the last SpecDecodeStats seen
+
         # The engine reports cumulative totals; counters advance by the difference.
         self._last_totals = {"queries": 0, "hits": 0, "preemptions_recompute": 0, "preemptions_swap": 0}
         self.log = ThroughputLog()
@@ -96,7 +112,23 @@ class EngineMetrics:
             if value > self._last_totals[key]:
                 counter.inc(value - self._last_totals[key])
             self._last_totals[key] = value
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            self._observe_spec_decode(spec, stats.num_speculative_tokens)
         self.log.latest = stats
+
+    def _observe_spec_decode(self, totals, num_speculative_tokens: int | None) -> None:
+        new = totals.since(self._spec_decode_totals or SpecDecodeStats())
+        self._spec_decode_totals = totals
+        if new.num_drafts > 0:
+            self.spec_decode_num_drafts.inc(new.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(new.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(new.num_accepted_tokens)
+            for pos, n in enumerate(new.accepted_per_pos):
+                if n:
+                    self._spec_decode_per_pos.labels(model_name=self._model_name, position=str(pos)).inc(n)
+        if num_speculative_tokens is not None:
+            self.spec_decode_num_speculative_tokens.set(num_speculative_tokens)
 
     def observe_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """As vLLM v1: a request's prompt tokens count in the step that produced its first token."""
@@ -134,6 +166,7 @@ class ThroughputLog:
         self._last_time = time.monotonic()
         self._last_queries = 0
         self._last_hits = 0
+        self._last_spec_decode = None  # SpecDecodeStats totals at the previous line
 
     def maybe_log(self) -> None:
         now = time.monotonic()
@@ -151,7 +184,13 @@ class ThroughputLog:
                 stats.num_waiting, stats.kv_cache_usage * 100, 100 * hits / queries if queries else 0.0,
                 stats.num_preemptions,
             )
+            spec = getattr(stats, "spec_decode", None)
+            if spec is not None:
+                        logger.info("SpecDecoding metrics: %s; draft tokens per request now: %s",
+                            spec.since(self._last_spec_decode or SpecDecodeStats()).log_text(),
+                            stats.num_speculative_tokens)
         if stats is not None:
             self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            self._last_spec_decode = getattr(stats, "spec_decode", None)
         self.prompt_tokens = self.generation_tokens = 0
         self._last_time = now

@@ -6,17 +6,30 @@ output_kind asks:
   CUMULATIVE  every sample, with everything generated so far
   DELTA       the samples that advanced this step, with only what is new
   FINAL_ONLY  once, when every sample has finished
+
+A step is processed in two calls: `process` takes in the new tokens (text, logprobs) and returns the
+stop strings it found, as finish commands for the scheduler (the only writer of a request's status);
+`make_outputs` then builds the step's RequestOutputs from the requests as the scheduler left them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class StopStringFound:
+    """A finish command: `request` ends with its first `num_output_tokens` tokens, stopped by `stop`."""
+
+    request: Request
+    num_output_tokens: int
+    stop: str
 
 
 class SampleState:
@@ -54,13 +67,12 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, finish_stopped: Callable[[list[str]], None]):
-        """`finish_stopped(ids)` ends requests in the scheduler when a stop string appears."""
+    def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.finish_stopped = finish_stopped
         self.parents: dict[str, ParentState] = {}
         self.samples: dict[str, SampleState] = {}
+        self._advanced: dict[str, list[SampleState]] = {}  # process() -> make_outputs(): samples with new tokens
         self._token_text: dict[int, str] = {}  # logprob alternatives repeat a lot: decode each id once
 
     # ---- requests --------------------------------------------------------------------------------
@@ -99,9 +111,9 @@ class OutputProcessor:
             self.samples.pop(s.request.request_id, None)
 
     # ---- one step --------------------------------------------------------------------------------
-    def process(self, sched_out, runner_out, touched: list[Request], scheduled_time: float) -> list[RequestOutput]:
-        """`scheduled_time`: when sched_out was scheduled (before the forward pass)."""
-        now = time.time()
+    def process(self, sched_out, runner_out, touched: list[Request], scheduled_time: float) -> list[StopStringFound]:
+        """Takes in one step's new tokens; returns the stop strings found, for the scheduler to apply before
+        make_outputs. `scheduled_time`: when sched_out was scheduled (before the forward pass)."""
         for s in sched_out.scheduled:
             if s.is_new:
                 state = self.samples.get(s.request_id)
@@ -116,38 +128,61 @@ class OutputProcessor:
                     state.parent.prompt_logprobs[first + j] = self._logprob_dict(
                         lists.token_ids[j], lists.logprobs[j], rank, num, params.detokenize)
 
-        advanced: dict[str, list[SampleState]] = {}  # parent id -> samples with new tokens, in order
-        stopped = []
+        stops = []
+        self._advanced = {}  # parent id -> samples with new tokens, in order
         for req in touched:
             state = self.samples.get(req.request_id)
             if state is None:
                 continue
-            new_ids = req.output_token_ids[state.num_processed:]
+            first = state.num_processed
+            new_ids = req.output_token_ids[first:]
             state.num_processed = len(req.output_token_ids)
             lp = runner_out.logprobs.get(req.request_id)
             if lp is not None and state.logprobs is not None:
                 num = self._num_alternatives(req.sampling_params.logprobs)
-                state.logprobs.append(self._logprob_dict(
-                    lp.token_ids[0], lp.logprobs[0], lp.ranks[0], num, req.sampling_params.detokenize))
-                state.cumulative_logprob += lp.logprobs[0][0]
+                # A stop inside an accepted run keeps only the tokens up to it: their logprobs too.
+                for j, rank in enumerate(lp.ranks[:len(new_ids)]):
+                    state.logprobs.append(self._logprob_dict(
+                        lp.token_ids[j], lp.logprobs[j], rank, num, req.sampling_params.detokenize))
+                    state.cumulative_logprob += lp.logprobs[j][0]
             if state.detokenizer is not None:
-                stop = state.detokenizer.update(
-                    new_ids, stop_terminated=req.status == RequestStatus.FINISHED_STOPPED, finished=req.is_finished)
-                if stop is not None:
-                    req.stop_reason = stop
-                    if req.is_finished:  # the same token also hit max_tokens: the stop string wins (vLLM)
-                        req.status = RequestStatus.FINISHED_STOPPED
-                    else:
-                        stopped.append(req.request_id)
-            advanced.setdefault(state.parent.request_id, []).append(state)
-        if stopped:
-            self.finish_stopped(stopped)
+                found = self._detokenize(state.detokenizer, req, new_ids)
+                if found is not None:  # the same token may also end the request otherwise: the stop string wins (vLLM)
+                    num_kept, stop = found
+                    stops.append(StopStringFound(req, first + num_kept, stop))
+                    state.num_processed = first + num_kept
+                    if state.logprobs is not None:
+                        del state.logprobs[first + num_kept:]
+            self._advanced.setdefault(state.parent.request_id, []).append(state)
+        return stops
 
+    @staticmethod
+    def _detokenize(detokenizer: IncrementalDetokenizer, req: Request, new_ids: list[int]) -> tuple[int, str] | None:
+        """Adds the new tokens to the text; (tokens kept, stop string) when a stop string ends the output.
+        Several new tokens (accepted drafts) go in one by one: a stop string inside them drops the rest."""
+        stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
+        if len(new_ids) == 1:
+            stop = detokenizer.update(new_ids, stop_terminated=stop_terminated, finished=req.is_finished)
+            return None if stop is None else (1, stop)
+        last = len(new_ids) - 1
+        for j, tok in enumerate(new_ids):
+            stop = detokenizer.update([tok], stop_terminated=stop_terminated and j == last,
+                                      finished=req.is_finished and j == last)
+            if stop is not None:
+                return j + 1, stop
+        return None
+
+    def make_outputs(self) -> list[RequestOutput]:
+        """The step's RequestOutputs, once the scheduler has applied what process() returned."""
+        now = time.time()
+        advanced, self._advanced = self._advanced, {}
         outputs = []
         for parent_id, states in advanced.items():
             parent = self.parents[parent_id]
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
+            parent.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
+            parent.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from kvserve import log_safety
 from kvserve.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
 
 
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log_safety.install()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -6,22 +6,38 @@ from collections.abc import Sequence
 
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.openai.chat_renderer import (
+    DEFAULT_TIMEOUT_S,
+    ChatTemplateError,
+    ChatTemplateRenderer,
+    ChatTemplateTimeout,
+)
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
+    """`chat_template_timeout`: seconds a chat template may take to render one conversation in `chat`
+    (the server's --chat-template-timeout); the other keyword arguments are EngineArgs."""
+
+    def __init__(self, model: str | None = None, chat_template_timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}. See EngineArgs for the list.")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._init(LLMEngine(EngineArgs(model=model, **kwargs)), chat_template_timeout)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs, chat_template_timeout: float = DEFAULT_TIMEOUT_S) -> "LLM":
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(args)
+        llm._init(LLMEngine(args), chat_template_timeout)
         return llm
+
+    def _init(self, engine: LLMEngine, chat_template_timeout: float) -> None:
+        if not chat_template_timeout > 0:
+            raise ValueError(f"chat_template_timeout must be > 0 seconds, got {chat_template_timeout!r}.")
+        self.llm_engine = engine
+        self.chat_template_timeout = chat_template_timeout
+        self._chat_renderer: ChatTemplateRenderer | None = None  # started by the first chat()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -83,8 +99,9 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
 
         The template (the tokenizer's, or `chat_template`) is rendered by transformers in a sandboxed
-        jinja2 environment, so a template cannot reach Python internals. `continue_final_message`
-        leaves the last (assistant) message open for the model to continue."""
+        jinja2 environment, so a template cannot reach Python internals, and in a worker process with the
+        server's limits (time: `chat_template_timeout`, memory, output size), so it cannot hang or exhaust
+        this one. `continue_final_message` leaves the last (assistant) message open for the model to continue."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -93,16 +110,33 @@ class LLM:
             raise ValueError("This tokenizer has no chat template: pass chat_template=... (a jinja2 string).")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False.")
+        kwargs = dict(chat_template_kwargs or {})
+        for name in ("tokenize", "chat_template", "add_generation_prompt", "continue_final_message", "return_dict"):
+            if name in kwargs:
+                raise ValueError(f"chat_template_kwargs may not set {name}; pass it as chat()'s own argument.")
+        kwargs.update(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message)
+        if tools is not None:
+            kwargs["tools"] = tools
+        renderer = self._renderer()
         prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
+        for i, conversation in enumerate(conversations):
+            try:
+                text = renderer.render_sync(conversation, **kwargs)
+            except ChatTemplateTimeout as e:
+                raise ValueError(f"Conversation {i}: {e}; the template loops or is too slow. Fix the template, or "
+                                 f"raise the limit with LLM(..., chat_template_timeout=SECONDS).") from None
+            except ChatTemplateError as e:
+                raise ValueError(f"The chat template could not render conversation {i}: {e}") from None
             # The template already wrote any BOS it wants.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _renderer(self) -> ChatTemplateRenderer:
+        """The server's renderer: templates run in a worker process with its time, memory and size limits."""
+        if self._chat_renderer is None:
+            self._chat_renderer = ChatTemplateRenderer(self.get_tokenizer(), timeout_s=self.chat_template_timeout)
+        return self._chat_renderer
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -9,8 +9,8 @@ import dataclasses
 import json
 import sys
 
-from kvserve.worker import memory_plan
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing import memory_plan
+from kvserve.sizing.memory_plan import GiB
 
 # Memory as torch.cuda.mem_get_info reports it (a little under the marketing number).
 KNOWN_GPUS: dict[str, float] = {
@@ -88,6 +88,7 @@ def plan_inputs_from_namespace(ns: argparse.Namespace) -> memory_plan.PlanInputs
         kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto") or "auto",
         tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1) or 1,
         pipeline_parallel_size=getattr(ns, "pipeline_parallel_size", 1) or 1,
+        enable_expert_parallel=bool(getattr(ns, "enable_expert_parallel", False)),
         quantization=quant, enforce_eager=config.args.enforce_eager,
         kv_cache_memory_bytes=config.args.kv_cache_memory_bytes,
         num_gpu_blocks_override=config.args.num_gpu_blocks_override, total_gpu_bytes=total,
@@ -109,8 +110,14 @@ def format_plan(plan: memory_plan.MemoryPlan, verdict: memory_plan.Verdict, mode
         f"block_size {p.block_size}",
         f"GPU: {gpu}, {gib(p.total_gpu_bytes)} x {p.gpu_memory_utilization} = {gib(plan.budget)} for this engine, "
         f"{gib(p.others_bytes)} held by others",
-        "",
     ]
+    if cfg.num_experts:
+        lines.append(f"Mixture of experts: {cfg.num_experts} experts, {cfg.num_experts_per_tok} per token, in "
+                     f"{cfg.num_moe_layers} of {cfg.num_hidden_layers} layers"
+                     + (", whole experts per GPU (expert parallel)" if p.enable_expert_parallel else "")
+                     + f"; {cfg.num_params() / 1e9:.2f} B parameters, {cfg.num_active_params() / 1e9:.2f} B "
+                       f"active per token")
+    lines.append("")
     stages = plan.ranks
     header = ["per GPU"] + [f"stage {r.stage} ({r.layers} layers)" if len(stages) > 1 else "each GPU" for r in stages]
     rows = [

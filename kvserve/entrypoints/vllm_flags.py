@@ -69,12 +69,12 @@ _TUNING = "a vLLM scheduling or loading tuning knob; kvserve's scheduler and loa
 _OBSERVE = "a vLLM logging, metrics or tracing setting; kvserve logs stats every 10 s and exports /metrics"
 _HTTP = "a vLLM HTTP front-end setting kvserve does not have (no CORS, docs or access-log options)"
 _MULTIMODAL = "multimodal inputs: kvserve serves text-only models"
-_MOE = "mixture-of-experts and expert parallelism: kvserve's models are dense"
+_MOE = "a mixture-of-experts tuning or load-balancing setting kvserve does not have (its MoE layers place experts with --enable-expert-parallel)"
 _LORA_OPT = "a LoRA setting, and kvserve has no LoRA adapters"
 _DP = "data parallelism is not supported: run one kvserve server per GPU (or group) behind a load balancer"
 _MULTINODE = "multi-node serving is not supported: kvserve runs on one machine"
 _CP = "context parallelism is not supported"
-_SPEC = "speculative decoding is not supported yet; remove the flag"
+_SPEC = "give speculative decoding as one JSON object: --speculative-config '{\"method\": ..., \"num_speculative_tokens\": ...}'"
 _TOOLS = "tool calling is not supported yet; remove the flag (requests with tools get a 400)"
 _REASONING = "reasoning parsers are not supported yet; the reasoning text stays in the message content"
 _TLS = "TLS is not built in: put a TLS-terminating proxy (nginx, caddy, a cloud load balancer) in front of kvserve"
@@ -121,7 +121,8 @@ IGNORED: dict[str, str] = {
     "--disable-fastapi-docs": _HTTP,
     "--disable-hybrid-kv-cache-manager": "kvserve has one KV cache manager for every layer",
     "--disable-nccl-for-dp-synchronization": _DP,
-    "--disable-sliding-window": "kvserve already caps --max-model-len at a model's sliding window",
+    "--disable-sliding-window": ("kvserve runs windowed layers with their window at every length; prompts "
+                                 "within the window get the same tokens either way"),
     "--disable-uvicorn-access-log": _HTTP,
     "--distributed-timeout-seconds": "kvserve runs one process group on one machine",
     "--dp-supervisor-probe-failure-threshold": _DP,
@@ -133,7 +134,6 @@ IGNORED: dict[str, str] = {
     "--enable-elastic-ep": _MOE,
     "--enable-ep-weight-filter": _MOE,
     "--enable-eplb": _MOE,
-    "--enable-expert-parallel": _MOE,
     "--enable-flash-late-interaction": _KERNELS,
     "--enable-flashinfer-autotune": _KERNELS,
     "--enable-layerwise-nvtx-tracing": _OBSERVE,
@@ -298,7 +298,6 @@ REFUSED: dict[str, str] = {
     "--spec-method": _SPEC,
     "--spec-model": _SPEC,
     "--spec-tokens": _SPEC,
-    "--speculative-config": _SPEC,
     "--ssl-ca-certs": _TLS,
     "--ssl-cert-reqs": _TLS,
     "--ssl-certfile": _TLS,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 
 from kvserve.config import EngineConfig
+from kvserve.units import GiB
 from kvserve.worker import memory
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 
 
 class ExecutorDeadError(RuntimeError):
@@ -44,6 +44,17 @@ class Executor:
     def execute_async(self, sched_out):
         """Launches one step on every rank; returns an object whose result() is the RunnerOutput."""
         raise NotImplementedError
+
+    def maybe_inject_step_oom(self) -> None:
+        """Tests only: raises the out-of-memory error KVSERVE_INJECT_OOM=step asks for, before a step."""
+        memory.maybe_inject_oom("step")
+
+    def invalid_sampling_requests(self, requests, vocab_size: int) -> set[str]:
+        """After a failed step: the ids of the requests (core Requests) whose own sampling inputs cannot be
+        built (each tried alone, on the host), to find the one to blame."""
+        from kvserve.worker.sampling_metadata import sampling_inputs_valid
+
+        return {r.request_id for r in requests if not sampling_inputs_valid(r, vocab_size)}
 
     def check_health(self) -> None:
         """Raises ExecutorDeadError when a worker is gone."""

@@ -1,7 +1,7 @@
 """`mp`: one worker process per rank on this host (spawned, never forked), driven over pipes.
 
 Each step is pickled once and written to every worker (a broadcast of a StepMessage: a small diff, see
-step_message.py); the result comes back from the output rank only. While waiting for anything, the
+core/sched_output.py); the result comes back from the output rank only. While waiting for anything, the
 executor also watches every worker process: one that exits or reports an error fails the wait at once
 with ExecutorDeadError naming the rank, so a dead worker never leaves the engine hanging.
 """
@@ -20,7 +20,6 @@ import sys
 import time
 
 from kvserve.executor.abstract import Executor, ExecutorDeadError
-from kvserve.executor.step_message import StepMessageBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,6 @@ class MultiprocExecutor(Executor):
         args = config.args
         self.world_size = args.world_size
         self.output_rank = self.world_size - args.tensor_parallel_size  # TP rank 0 of the last stage
-        self.builder = StepMessageBuilder()
         self.broadcast = BroadcastStats()
         self._inbox = [collections.deque() for _ in range(self.world_size)]
         self._next_seq = 0
@@ -154,7 +152,7 @@ class MultiprocExecutor(Executor):
 
     def execute_async(self, sched_out):
         t0 = time.perf_counter()
-        nbytes = self._broadcast(("execute", self.builder.build(sched_out)))
+        nbytes = self._broadcast(("execute", sched_out.message))
         self.broadcast.add(nbytes, time.perf_counter() - t0)
         if self.broadcast.steps % 5000 == 0:
             b = self.broadcast.summary()

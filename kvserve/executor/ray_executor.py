@@ -14,7 +14,6 @@ import logging
 import os
 
 from kvserve.executor.abstract import Executor, ExecutorDeadError
-from kvserve.executor.step_message import StepMessageBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -22,13 +21,10 @@ PLACEMENT_TIMEOUT_S = float(os.environ.get("KVSERVE_RAY_PLACEMENT_TIMEOUT", "30"
 
 
 class RayWorkerActor:
-    """Runs in the actor: a Worker plus the request states rebuilt from each step's message."""
+    """Runs in the actor: a Worker, which applies each step's message to its input batch."""
 
     def __init__(self, config, rank: int, output_rank: int):
-        from kvserve.executor.step_message import WorkerRequestStates
-
         self.config, self.rank, self.output_rank = config, rank, output_rank
-        self.states = WorkerRequestStates()
         self.worker = None
 
     def address(self) -> tuple[str, int]:
@@ -56,7 +52,7 @@ class RayWorkerActor:
         return result
 
     def execute(self, msg):
-        pending = self.worker.execute_model(self.states.apply(msg))
+        pending = self.worker.execute_model(msg)
         return pending.result() if self.rank == self.output_rank else None
 
 
@@ -87,7 +83,6 @@ class RayExecutor(Executor):
         args = config.args
         self.world_size = world = args.world_size
         self.output_rank = world - args.tensor_parallel_size
-        self.builder = StepMessageBuilder()
         self._dead: str | None = None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -159,7 +154,7 @@ class RayExecutor(Executor):
     def execute_async(self, sched_out):
         if self._dead:
             raise ExecutorDeadError(self._dead)
-        msg = self._ray.put(self.builder.build(sched_out))  # serialized once for every actor
+        msg = self._ray.put(sched_out.message)  # serialized once for every actor
         return _PendingStep(self, [a.execute.remote(msg) for a in self.actors])
 
     def check_health(self) -> None:

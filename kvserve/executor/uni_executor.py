@@ -1,5 +1,5 @@
-"""One device, in the engine's own process: the step's SchedulerOutput goes to the runner as it is
-(no copy, no serialization)."""
+"""One device, in the engine's own process: the step's message goes to the runner as it is (no
+serialization), the same message the mp and ray executors send."""
 
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ class UniExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def execute_async(self, sched_out):
-        return self.worker.runner.execute_async(sched_out)
+        return self.worker.execute_model(sched_out.message)

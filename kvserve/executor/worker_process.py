@@ -1,6 +1,6 @@
 """The main loop of a worker process (the `mp` executor): receive a message, act, reply.
 
-Steps arrive as StepMessages and are rebuilt into SchedulerOutputs here. Only the output rank (TP rank 0
+Steps arrive as StepMessages (core/sched_output.py), which the worker's input batch applies. Only the output rank (TP rank 0
 of the last pipeline stage) sends step results back, from a thread of its own: the main thread is then
 free to receive and launch step N+1 while step N's sampled ids are still on their way to the host
 (async scheduling keeps working across the process boundary).
@@ -35,9 +35,15 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
     _die_with_parent(rank)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    # The engine decides when workers stop (it joins them, and kills one that does not stop).
+    from kvserve.child_signals import ignore_group_signals
+
+    ignore_group_signals()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from kvserve import log_safety
+
+    log_safety.install()
     send_lock = threading.Lock()
 
     def send(obj) -> None:
@@ -46,7 +52,6 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
             conn.send_bytes(data)
 
     try:
-        from kvserve.executor.step_message import WorkerRequestStates
         from kvserve.worker.worker import Worker
 
         worker = Worker(config, rank, local_rank, init_method)
@@ -70,7 +75,6 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
 
     sender = threading.Thread(target=reply_loop, name=f"kvserve-worker{rank}-reply", daemon=True)
     sender.start()
-    states = WorkerRequestStates()
     while True:
         try:
             kind, payload = pickle.loads(conn.recv_bytes())
@@ -78,7 +82,7 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
             break
         try:
             if kind == "execute":
-                pending = worker.execute_model(states.apply(payload))
+                pending = worker.execute_model(payload)
                 if rank == output_rank:
                     replies.put(("pending", pending))
             elif kind == "rpc":

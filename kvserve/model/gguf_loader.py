@@ -1,7 +1,9 @@
 """Read GGUF checkpoints as an HF-style config dict and float32 weights under HF names.
 
-Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs),
-"qwen2" and "qwen3". Weights are dequantised with gguf-py exactly as transformers does,
+Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
+expert_count set), "qwen2", "qwen3", "qwen2moe" and "qwen3moe". A MoE layer's stacked expert tensors
+(ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
+checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
 so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
 """
 
@@ -32,7 +34,11 @@ _ARCHS = {
     "llama": _ArchSpec("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", "qwen2", permute_qk=False),
     "qwen3": _ArchSpec("Qwen3ForCausalLM", "qwen3", permute_qk=False),
+    "qwen2moe": _ArchSpec("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
+    "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
 }
+# llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
+_MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -52,7 +58,13 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 _MISSING = object()
 
@@ -81,20 +93,31 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return _FastGGUFReader(path)
     except Exception:
-        # The fast path leans on a gguf-py internal; the stock reader is always correct and
-        # re-raises any genuine problem with the file.
+        pass
+    # The fast path leans on a gguf-py internal; the stock reader is always correct and raises any
+    # genuine problem with the file, which gguf-py reports without naming it.
+    try:
         return GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ValueError, struct.error, IndexError...: all mean a bad file
+        raise ValueError(f"{path} cannot be read as a GGUF file ({type(e).__name__}: {e}); it is truncated "
+                         f"or corrupt: download it again.") from None
 
 
 def _as_reader(source: GGUFSource) -> GGUFReader:
     return source if isinstance(source, GGUFReader) else open_gguf(source)
 
 
+def _file_name(reader: GGUFReader) -> str:
+    return str(getattr(reader.data, "filename", None) or "the GGUF file")
+
+
 def _metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
     field = reader.get_field(key)
     if field is None:
         if default is _MISSING:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
+            raise ValueError(f"{_file_name(reader)}: GGUF metadata key {key!r} is missing")
         return default
     return field.contents()
 
@@ -104,7 +127,8 @@ def _architecture(reader: GGUFReader) -> tuple[str, _ArchSpec]:
     spec = _ARCHS.get(arch)
     if spec is None:
         raise ValueError(
-            f"Unsupported GGUF architecture {arch!r}; kvserve can load: {', '.join(sorted(_ARCHS))}."
+            f"{_file_name(reader)}: Unsupported GGUF architecture {arch!r}; kvserve can load: "
+            f"{', '.join(sorted(_ARCHS))}."
         )
     return arch, spec
 
@@ -164,11 +188,28 @@ def read_gguf_config(source: GGUFSource) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
+    experts = int(arch_key("expert_count", 0) or 0)
+    if experts:
+        config.update(_moe_config(arch, arch_key, experts, config["intermediate_size"]))
     for name in ("bos", "eos"):
         token_id = _metadata(reader, f"tokenizer.ggml.{name}_token_id", None)
         if token_id is not None:
             config[f"{name}_token_id"] = int(token_id)
     return config
+
+
+def _moe_config(arch: str, arch_key, experts: int, intermediate_size: int) -> dict:
+    """The HF MoE config fields of a GGUF (llama.cpp's MoE architectures make every layer sparse)."""
+    moe = {"num_experts": experts, "num_experts_per_tok": int(arch_key("expert_used_count")),
+           "norm_topk_prob": _MOE_RENORMALISE[arch],
+           "moe_intermediate_size": int(arch_key("expert_feed_forward_length", intermediate_size)),
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "llama":  # Mixtral: llama with experts
+        moe.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts)
+    shared = arch_key("expert_shared_feed_forward_length", None)
+    if shared:
+        moe["shared_expert_intermediate_size"] = int(shared)
+    return moe
 
 
 def gguf_to_hf_name(gguf_name: str) -> str:
@@ -210,10 +251,28 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
     _, spec = _architecture(reader)
     config = read_gguf_config(reader) if spec.permute_qk else None
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        stem = tensor.name.rsplit(".", 1)[0]
+        if stem.split(".")[-1] in _EXPERT_TENSORS:
+            yield from _per_expert(stem, _dequantize_tensor(tensor))
+            continue
+        try:
+            hf_name = gguf_to_hf_name(tensor.name)
+        except ValueError as e:
+            raise ValueError(f"{_file_name(reader)}: {e}") from None
         weights = _dequantize_tensor(tensor)
+        if hf_name.endswith("shared_expert_gate.weight") and weights.ndim == 1:
+            weights = weights[None, :]  # llama.cpp stores the [1, hidden] gate as a vector
         if config is not None and ".attn_q." in tensor.name:
             weights = _unpermute_qk(weights, config["num_attention_heads"])
         elif config is not None and ".attn_k." in tensor.name:
             weights = _unpermute_qk(weights, config["num_key_value_heads"])
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weights))
+
+
+def _per_expert(stem: str, stacked: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:
+    """blk.N.ffn_gate_exps [E, out, in] -> model.layers.N.mlp.experts.e.gate_proj.weight for each expert e."""
+    _, layer, kind = stem.split(".")
+    proj = _EXPERT_TENSORS[kind]
+    for e in range(stacked.shape[0]):
+        yield (f"model.layers.{int(layer)}.mlp.experts.{e}.{proj}.weight",
+               torch.from_numpy(np.ascontiguousarray(stacked[e])))

@@ -133,7 +133,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return super().weight_loader(param, loaded)
         dim = getattr(param, "output_dim", None)
         if dim is None and getattr(param, "input_dim", None) is not None:  # per input row (GPTQ g_idx): shared
-            return _copy_into(param.data, loaded, f"shard {shard_id}")
+            return self._load_shared_rows(param, loaded, shard_id)
         if dim is None:  # a per-tensor scale of one part: it goes to that part's slot
             target = param.data[shard_id] if param.data.numel() > 1 else param.data
             _copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")
@@ -141,6 +141,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, size, start = (_packed(param, dim, n) for n in self._shard(shard_id))
         loaded = loaded.narrow(dim, start, size)
         _copy_into(param.data.narrow(dim, offset, size), loaded, f"shard {shard_id}")
+
+
+    @staticmethod
+    def _load_shared_rows(param: nn.Parameter, loaded, shard_id) -> None:
+        """One tensor per input row that every part must carry alike: the parts share one GEMM, so one input
+        row order (GPTQ act-order g_idx). Parts quantized with different orders cannot be fused."""
+        first = getattr(param, "filled_by_shard", None)
+        if first is None:
+            _copy_into(param.data, loaded, f"shard {shard_id}")
+            param.filled_by_shard = shard_id
+            return
+        loaded = as_tensor(loaded)
+        if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(loaded.to(param.dtype), param.data):
+            raise ValueError(f"shard {shard_id} differs from shard {first}: kvserve fuses these projections into "
+                             f"one GEMM, which needs the same per-row tensor in every part (GPTQ act-order "
+                             f"checkpoints whose q/k/v or gate/up parts have different g_idx are not supported; "
+                             f"quantize them with one act order, as GPTQ does for layers reading the same input)")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -155,8 +172,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
         tp = get_tp_size()
         if num_heads % tp:
+            # EngineConfig checks the layout first, naming the sizes that fit; this guards direct construction.
             raise ValueError(f"The model's {num_heads} attention heads are not divisible by "
-                             f"--tensor-parallel-size {tp}; use a tensor parallel size that divides {num_heads}.")
+                             f"--tensor-parallel-size {tp}.")
         if (num_kv_heads % tp) if tp <= num_kv_heads else (tp % num_kv_heads):
             raise ValueError(f"The model's {num_kv_heads} KV heads and --tensor-parallel-size {tp} do not fit: "
                              f"one must divide the other.")
@@ -266,6 +284,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     and then need a broadcast of the sampled ids back to the others, one more collective per step on the
     critical path."""
 
+    packs_for_cpu_gemm = True  # ops/cpu_gemm.py packs its weight for compute_logits on the CPU
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         from kvserve.distributed.parallel_state import tensor_parallel_all_gather
 
@@ -283,12 +303,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm pattern."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, consumer: nn.Module | None = None):
+        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm pattern. `consumer`:
+        the linear layer that reads the output; an FP8 one may get it quantized here (an Fp8Activation)."""
         if use_fused_kernels(x):
-            from kvserve.ops.fused_kernels import rms_norm
+            from kvserve.ops import fused_kernels
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            if consumer is not None:
+                from kvserve.model.quantization.fp8 import fused_input_quant
+
+                quantize, static_scale = fused_input_quant(consumer, x.numel() // x.shape[-1])
+                if quantize:
+                    return fused_kernels.rms_norm_fp8(x, self.weight, self.eps, residual, static_scale)
+            return fused_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -300,6 +327,74 @@ class RMSNorm(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_into(param.data, loaded, "weight")
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in fp32 and rounded once at the end (HF's order; the
+    checkpoint stores weight, not 1 + weight). Same residual contract as RMSNorm."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused_kernels(x):  # the fused kernel with weight 1 + w (fp32; normed x rounded first there)
+            from kvserve.ops.fused_kernels import rms_norm
+
+            return rms_norm(x, self._offset_weight(), self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def _offset_weight(self) -> torch.Tensor:
+        # Computed once per loaded weight (its version counts in-place loads), before any graph capture:
+        # the engine's profile run calls every layer first.
+        key = (self.weight._version, self.weight.device)
+        if getattr(self, "_offset_key", None) != key:
+            self._offset = 1.0 + self.weight.float()
+            self._offset_key = key
+        return self._offset
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection (OLMo 2), whose features are split over the TP ranks by heads:
+    each rank holds `local_dim` features (its heads, shard `shard_index` of the checkpoint's weight) and the
+    mean square is summed over ranks. A KV head replicated on r ranks is counted r times over r times as
+    many features, so sum / (local_dim * tp) is the mean either way. fp32, weight applied before rounding."""
+
+    def __init__(self, local_dim: int, shard_index: int, eps: float):
+        super().__init__()
+        from kvserve.distributed.parallel_state import get_tp_size
+
+        self.eps, self.local_dim, self.shard_index = eps, local_dim, shard_index
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.ones(local_dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sum_sq = xf.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            from kvserve.distributed.parallel_state import tensor_parallel_all_reduce
+
+            sum_sq = tensor_parallel_all_reduce(sum_sq)
+        mean_sq = sum_sq / (self.local_dim * self.tp_size)
+        return (self.weight.float() * (xf * torch.rsqrt(mean_sq + self.eps))).to(x.dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _copy_into(param.data, loaded.narrow(0, self.shard_index * self.local_dim, self.local_dim), "weight")
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-dimension divisors, the long ones when the engine's max_model_len exceeds the
+    pre-training length (HF switches per forward as a sequence grows; fixing the choice per engine keeps a
+    request's cached keys and its later queries on one rotary), and cos/sin scaled by the attention factor."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -318,27 +413,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, rotate-half layout (HF's Llama convention), cos/sin cached in fp32."""
+    """Rotary position embedding, rotate-half layout (HF's Llama convention), cos/sin cached in fp32.
+    With rotary_dim < head_dim (partial rotary, Phi-4-mini) only each head's first rotary_dim dims turn."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.rotary_dim = dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
-        elif kind != "default":
-            raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        attention_factor = 1.0
+        if kind == "longrope":
+            inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions)
+        elif kind not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+                             f"longrope)")
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cached", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cached", freqs.sin() * attention_factor, persistent=False)
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path)."""
+        rot = self.rotary_dim
+        if rot < q.shape[-1]:  # partial: the first rot dims turn, the rest pass through
+            if use_fused_kernels(q):
+                self._rotate_all(positions, q[..., :rot], k[..., :rot])  # in place, through the views
+                return q, k
+            q_rot, k_rot = self._rotate_all(positions, q[..., :rot], k[..., :rot])
+            return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+        return self._rotate_all(positions, q, k)
+
+    def _rotate_all(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if use_fused_kernels(q) and q.shape[-1] % 2 == 0:
             from kvserve.ops.fused_kernels import apply_rotary_
 

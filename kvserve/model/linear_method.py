@@ -34,6 +34,8 @@ class LinearMethodBase:
 class UnquantizedLinearMethod(LinearMethodBase):
     """weight [out_per_partition, in_per_partition] in the serving dtype; y = x W^T (+ b)."""
 
+    packs_for_cpu_gemm = True  # ops/cpu_gemm.py may swap it for its oneDNN-packed twin
+
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype):
         weight = nn.Parameter(

@@ -17,14 +17,20 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read; the message names the file (and the tensor, if one)."""
+
+
 class CheckpointSlice:
     """A safetensors tensor not read yet: `narrow` only records the range, `load` reads just that range,
-    so a tensor-parallel rank reads its own slice of each weight (host memory ~ its shard, not the model)."""
+    so a tensor-parallel rank reads its own slice of each weight (host memory ~ its shard, not the model).
+    `where` ("file: tensor") names it in errors."""
 
-    def __init__(self, lazy, shape, ranges=None):
+    def __init__(self, lazy, shape, ranges=None, where: str = "a safetensors tensor"):
         self._lazy = lazy
         self.shape = torch.Size(shape)
         self._ranges = ranges or [(0, n) for n in shape]
+        self.where = where
 
     def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
         dim %= len(self.shape)
@@ -35,28 +41,44 @@ class CheckpointSlice:
         ranges[dim] = (base + start, base + start + length)
         shape = list(self.shape)
         shape[dim] = length
-        return CheckpointSlice(self._lazy, shape, ranges)
+        return CheckpointSlice(self._lazy, shape, ranges, self.where)
 
     def reshape(self, *shape) -> torch.Tensor:
         return self.load().reshape(*shape)
 
     def load(self) -> torch.Tensor:
-        if not self.shape:  # a scalar
-            return self._lazy[...]
-        return self._lazy[tuple(slice(a, b) for a, b in self._ranges)]
+        from safetensors import SafetensorError
+
+        try:
+            if not self.shape:  # a scalar
+                return self._lazy[...]
+            return self._lazy[tuple(slice(a, b) for a, b in self._ranges)]
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{self.where} cannot be read ({e}); the file is truncated or corrupt: "
+                                  f"download it again.") from None
 
 
 def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointSlice]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"No *.safetensors files in {model_dir}; save the model with safe_serialization=True.")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file} cannot be read as safetensors ({e}); the file is truncated or "
+                                  f"corrupt: download it again.") from None
+        with handle as f:
             for name in f.keys():
-                lazy = f.get_slice(name)
-                yield name, CheckpointSlice(lazy, lazy.get_shape())
+                try:
+                    lazy = f.get_slice(name)
+                    shape = lazy.get_shape()
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file is "
+                                          f"truncated or corrupt: download it again.") from None
+                yield name, CheckpointSlice(lazy, shape, where=f"{file}: tensor {name!r}")
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -131,10 +153,16 @@ def load_model(
         weights = iter_gguf_weights(model_path)
     else:
         weights = iter_safetensors_weights(model_path)
-    loaded = model.load_weights(weights)
+    try:
+        loaded = model.load_weights(weights)
+    except ValueError as e:  # the model names the tensor; say which checkpoint it came from
+        if str(model_path) in str(e):
+            raise
+        raise ValueError(f"{model_path}: {e}") from None
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
-        raise ValueError(f"checkpoint at {model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        raise ValueError(f"The checkpoint at {model_path} lacks the tensors of {len(missing)} parameters, e.g. "
+                         f"{', '.join(sorted(missing)[:5])}; is it complete (every *.safetensors shard present)?")
     _process_weights_after_loading(model)
     return model.eval()
 

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.model.registry import ARCHITECTURES, architecture_of, supported_names
-
+from kvserve.model.config_schema import check_field_types, check_required_and_relations
+from kvserve.model.registry import ARCHITECTURES, MISSING, architecture_of, supported_names
 
 
 @dataclass
@@ -31,9 +31,51 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    # Mixture of experts (num_experts 0: a dense model). Routed experts each have moe_intermediate_size
+    # features; layers listed in mlp_only_layers (and those decoder_sparse_step skips) keep a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate (0: none)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # --- Per-layer attention, and what the Gemma / Phi-3 families differ in (read by _family_fields) ---
+    layer_windows: list[int | None] = field(default_factory=list)  # per layer: its window, or None (full)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> C * tanh(scores / C)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits -> C * tanh(logits / C)
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale = this ** -0.5 instead of head_dim ** -0.5
+    rope_local_theta: float | None = None  # Gemma 3: the rope base of the windowed layers (no scaling there)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rotary on the first head_dim * factor dims only
+    hidden_act: str = "silu"  # the gate activation (Gemma: gelu_pytorch_tanh)
+    # Granite: embeddings * embedding_multiplier, sublayer outputs * residual_multiplier before the residual
+    # add, softmax scale attention_multiplier, logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def has_windowed_layers(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def kv_cache_window(self) -> int | None:
+        """The window the KV cache may free blocks behind: set when every layer has the same window (one
+        block table serves all layers). Interleaved models (Gemma) keep every block: their full layers
+        need them."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False,
+                     source: str = "config.json") -> "ModelConfig":
+        """`source` names the file in errors (its path, or the .gguf the dict was read from)."""
+        check_field_types(cfg, source)
+        cfg = {k: v for k, v in cfg.items() if v is not None}  # null means absent: the defaults below apply
         arch = architecture_of(cfg)
         if arch not in ARCHITECTURES:
             remote = ""
@@ -42,23 +84,32 @@ class ModelConfig:
                 remote = (" This model's architecture is defined by code in its repository (config.json has "
                           "auto_map); kvserve never runs code from a model repository"
                           + (", so --trust-remote-code cannot help." if trust_remote_code else "."))
+            if arch in MISSING:
+                remote = f" {MISSING[arch]}." + remote
             raise ValueError(
                 f"Model architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not supported.{remote} "
                 f"Supported: {', '.join(supported_names())}."
             )
+        check_required_and_relations(cfg, source)
         heads = cfg["num_attention_heads"]
         # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
+        if "full_attention" in rope:  # per layer type (Gemma 3): the full layers' rope is the model's rope
+            rope = dict(rope["full_attention"] or {})
         legacy_scaling = cfg.get("rope_scaling") or {}
         rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_scaling = rope or dict(legacy_scaling) or None
         if rope_scaling is not None:
             rope_scaling.pop("rope_theta", None)
+            rope_scaling.pop("partial_rotary_factor", None)  # a rotary dimension, not a scaling (Phi-4-mini)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else rope_scaling
+            if kind == "longrope":  # Phi-3 keeps these two lengths beside rope_scaling
+                rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+                rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        family = _family_fields(arch, cfg)
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
@@ -73,27 +124,129 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=sliding,
+            **family,
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
     def from_path(cls, model_path: str | Path, trust_remote_code: bool = False) -> "ModelConfig":
-        return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code)
+        return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
     def num_params(self) -> int:
+        return self._params(self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token's forward pass multiplies with: a MoE layer counts only its top-k experts."""
+        return self._params(self.num_experts_per_tok)
+
+    def moe_expert_params(self) -> int:
+        """The routed experts' weights of the whole model (what expert parallelism splits)."""
+        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _params(self, experts_per_moe_layer: int) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        attention = h * (q + 2 * kv) + q * h + 2 * h
+        attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.num_moe_layers
+        dense_mlps = (self.num_hidden_layers - moe) * 3 * h * i
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        routed = moe * (experts_per_moe_layer * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared)
+        return (self.num_hidden_layers * attention + dense_mlps + routed
+                + v * h * (1 if self.tie_word_embeddings else 2) + h)
+
+
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """The MoE fields of a config.json (HF's names differ by family; transformers 5 saves Qwen3-MoE's expert
+    count as num_local_experts, Qwen's own checkpoints as num_experts)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, top-k renormalised
+        return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), mlp_only_layers=dense)
+
+
+def config_source(model_path: str | Path) -> str:
+    """The file a model's config comes from, as errors name it."""
+    path = Path(model_path)
+    return f"{path} (GGUF metadata)" if path.suffix == ".gguf" else str(path / "config.json")
+
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _layer_windows(arch: str, cfg: dict) -> list[int | None]:
+    """Each layer's attention window, as HF transformers' modelling code applies it: from `layer_types`
+    where the config has them (transformers 5 writes them for Gemma 2/3, Qwen2/3), else the family's rule."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return [None] * n
+    types = cfg.get("layer_types")
+    if types is None and arch == "Gemma2ForCausalLM":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    elif types is None and arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    elif types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = cfg.get("max_window_layers", n)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    elif types is None:  # Mistral, Phi-3: every layer
+        types = ["sliding_attention"] * n
+    if len(types) != n:
+        raise ValueError(f"config.json has {len(types)} layer_types for {n} layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _family_fields(arch: str, cfg: dict) -> dict:
+    """The ModelConfig fields of the per-layer-attention block above."""
+    windows = _layer_windows(arch, cfg)
+    fields = {
+        "layer_windows": windows,
+        "sliding_window": next((w for w in windows if w is not None), None),
+        "partial_rotary_factor": float(cfg.get("partial_rotary_factor")
+                                       or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0),
+        "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+    }
+    if arch in _GEMMA:
+        fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
+        fields["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
+        fields["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
+    if arch == "GraniteForCausalLM":
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            if cfg.get(name) is not None:
+                fields[name] = float(cfg[name])
+    if arch == "Gemma3ForCausalLM":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        fields["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    return fields
 
 
 def load_hf_config_dict(model_path: str | Path) -> dict:
@@ -108,4 +261,7 @@ def load_hf_config_dict(model_path: str | Path) -> dict:
         raise ValueError(
             f"No config.json in {path}. Pass a Hugging Face model directory, a hub repo id or a .gguf file."
         )
-    return json.loads(config_file.read_text())
+    try:
+        return json.loads(config_file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{config_file} is not valid JSON ({e}). Fix or re-download the file.") from None

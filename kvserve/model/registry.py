@@ -24,7 +24,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", "mistral", "kvserve.model.llama:MistralForCausalLM"),
         Architecture("Qwen2ForCausalLM", "qwen2", "kvserve.model.llama:Qwen2ForCausalLM"),
         Architecture("Qwen3ForCausalLM", "qwen3", "kvserve.model.llama:Qwen3ForCausalLM"),
+        # Mixture of experts: the Llama decoder with a sparse MoE block as the MLP (kvserve/model/moe.py).
+        Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "kvserve.model.llama_moe:Qwen2MoeForCausalLM"),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "kvserve.model.llama_moe:Qwen3MoeForCausalLM"),
+        Architecture("MixtralForCausalLM", "mixtral", "kvserve.model.llama_moe:MixtralForCausalLM"),
+        Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
+        Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
+        Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
+        Architecture("GraniteForCausalLM", "granite", "kvserve.model.granite:GraniteForCausalLM"),
+        Architecture("Olmo2ForCausalLM", "olmo2", "kvserve.model.olmo2:Olmo2ForCausalLM"),
     )
+}
+# Architectures people ask for that are not built yet: what each one lacks, for the refusal.
+MISSING: dict[str, str] = {
+    "GptOssForCausalLM": "gpt-oss needs attention sinks, sliding-window layers, its clamped SwiGLU expert "
+                         "activation with biases, and MXFP4 expert weights, which kvserve does not implement yet",
 }
 _BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
 

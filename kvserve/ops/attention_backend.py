@@ -20,9 +20,12 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32: an fp8 (e4m3) cache stores k / k_scale
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,  # this layer's window: key j visible from query i iff i - W < j <= i
+        logits_soft_cap: float | None = None,  # this layer's cap C: scores -> C * tanh(scores / C)
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's K/V into the cache at meta.slot_mapping, then attend causally over
-        each request's whole context (cached blocks + this step's tokens). A one-byte cache dtype means
+        each request's context (cached blocks + this step's tokens; with a window only the keys inside it,
+        and blocks wholly left of every query's window are never read). A one-byte cache dtype means
         FP8: K/V are quantized on write with the per-tensor scales and dequantized on read."""
         ...
 

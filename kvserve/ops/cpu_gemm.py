@@ -52,6 +52,8 @@ class PackedUnquantizedMethod:
     """Stands in for a layer's UnquantizedLinearMethod: same apply(), on the packed weight. The layer's own
     forward (e.g. a tensor-parallel all-reduce after the GEMM) is left as it is."""
 
+    packs_for_cpu_gemm = False  # already packed
+
     def __init__(self, original):
         self.original = original
 
@@ -68,19 +70,18 @@ def pack_cpu_linears(model: nn.Module) -> int:
     (weights packed now, after loading). The method is swapped, not the layer's forward, so a tensor-parallel
     layer's all-reduce stays; quantized layers keep their own kernels. Returns how many layers were switched
     (0 when disabled or unavailable)."""
-    from kvserve.model.layers import LinearBase, ParallelLMHead
-    from kvserve.model.linear_method import UnquantizedLinearMethod
-
+    # The model's classes say what may be packed (`packs_for_cpu_gemm`: the unquantized linear method, the
+    # LM head), so this kernel module does not import the model.
     if not enabled():
         return 0
     count = 0
     for module in model.modules():
-        if (isinstance(module, LinearBase) and _fp32_cpu_weight(module)
-                and isinstance(module.quant_method, UnquantizedLinearMethod)):
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "packs_for_cpu_gemm", False) and _fp32_cpu_weight(module):
             module.packed_weight = PackedLinearWeight(module.weight)
             module.quant_method = PackedUnquantizedMethod(module.quant_method)
             count += 1
-        elif isinstance(module, ParallelLMHead) and _fp32_cpu_weight(module):
+        elif method is None and getattr(module, "packs_for_cpu_gemm", False) and _fp32_cpu_weight(module):
             # The logits GEMM (hidden x vocab, every decode step): the largest single weight. A tied head
             # keeps its weight for the embedding lookup; the packed copy is used by compute_logits only.
             module.packed_weight = PackedLinearWeight(module.weight)

@@ -12,6 +12,8 @@ and a fixed allocation per shape, so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -41,20 +43,49 @@ def e4m3_bits(x):
 
 
 @triton.jit
+def quantize_row(x, s_in_ptr, STATIC: tl.constexpr):
+    """One row of fp32 activations (padding entries 0) -> (e4m3 bytes, its scale): the dynamic per-token scale
+    max |x| / 448 (at least MIN_SCALE), or with STATIC the per-tensor input scale at s_in_ptr. Shared by the
+    kernels that quantize their own output for the next GEMM (kvserve/ops/fused_kernels.py)."""
+    if STATIC:
+        scale = tl.load(s_in_ptr)
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    return e4m3_bits(tl.math.div_rn(x, scale)), scale
+
+
+@triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, s_in_ptr, n_cols, stride_x, stride_q,
                             STATIC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:  # the checkpoint's per-tensor input scale, written out per row for the row-wise GEMM
-        scale = tl.load(s_in_ptr)
-    else:
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-    q = e4m3_bits(tl.math.div_rn(x, scale))
+    q, scale = quantize_row(x, s_in_ptr, STATIC)
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+class Fp8Activation(NamedTuple):
+    """Activations quantized per token for torch._scaled_mm: e4m3 [M, K], float32 scales [M, 1], and the
+    activation dtype they stand for (the GEMM's output dtype). A kernel that produces a GEMM's input (RMSNorm,
+    SiLU*mul) hands this to an FP8 linear layer instead of a 16-bit tensor: no separate quantization pass."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def row_warps(block: int) -> int:
+    """num_warps for one program per row of `block` (a power of two) columns held in registers."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def empty_fp8_rows(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [m, k], float32 scales [m, 1]) to be filled by a quantizing kernel."""
+    return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((m, 1), dtype=torch.float32, device=device))
 
 
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -65,13 +96,11 @@ def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
     assert x.dim() == 2
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale = empty_fp8_rows(m, k, x.device)
     if m == 0:
         return q, scale
     block = triton.next_power_of_2(k)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     s_in = static_scale if static_scale is not None else scale  # unread when dynamic
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), scale, s_in, k, x.stride(0), k,
-                                  STATIC=static_scale is not None, BLOCK=block, num_warps=warps)
+                                  STATIC=static_scale is not None, BLOCK=block, num_warps=row_warps(block))
     return q, scale

@@ -1,4 +1,5 @@
-"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary, SiLU*mul.
+"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary, SiLU*mul, and the
+RMSNorm / SiLU*mul variants that quantize their output per token for an FP8 GEMM (W8A8) in the same pass.
 
 Unfused, these are ~40 tiny kernels per layer; at batch 1 their launch gaps cost more than the
 weight reads. Each kernel rounds its intermediates to the activation dtype where HF's eager code
@@ -11,12 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops.fp8_quant import Fp8Activation, empty_fp8_rows, quantize_row, row_warps
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, n_cols, eps, stride_x, stride_r, stride_ro,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """norm(x [+ residual]) of one row in the activation dtype (padding columns 0); stores x + residual."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -28,7 +30,33 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    y = _rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, n_cols, eps, stride_x, stride_r, stride_ro,
+                      HAS_RESIDUAL, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=cols < n_cols)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, s_in_ptr, res_out_ptr, n_cols, eps,
+                         stride_x, stride_r, stride_ro,
+                         HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    """RMSNorm whose output goes straight to an FP8 GEMM: the normed row (rounded to the activation dtype, as
+    the 16-bit kernel stores it) quantized per token, never written in 16 bits."""
+    row = tl.program_id(0).to(tl.int64)
+    y = _rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, n_cols, eps, stride_x, stride_r, stride_ro,
+                      HAS_RESIDUAL, BLOCK)
+    q, scale = quantize_row(y.to(tl.float32), s_in_ptr, STATIC)
+    cols = tl.arange(0, BLOCK)
+    tl.store(q_ptr + row * n_cols + cols, q, mask=cols < n_cols)
+    tl.store(s_ptr + row, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -44,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, r2, weight, out, res_out, n_cols, eps,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=4 if n_cols <= 2048 else 8,
+            num_warps=row_warps(triton.next_power_of_2(n_cols)),  # as rms_norm_fp8: the same sum, bit for bit
         )
     if residual is None:
         return out.view(shape)
@@ -100,16 +128,60 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
 
 
 @triton.jit
+def _silu_mul_cols(x_ptr, row, cols, mask, n_cols, stride_x):
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # HF: silu rounded, then the product rounded
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
     cols = start + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul_cols(x_ptr, row, cols, mask, n_cols, stride_x), mask=mask)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, s_in_ptr, n_cols, stride_x, STATIC: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """SiLU*mul feeding an FP8 GEMM: one program holds a whole row (the per-token scale needs its max)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = _silu_mul_cols(x_ptr, row, cols, mask, n_cols, stride_x)
+    q, scale = quantize_row(tl.where(mask, y.to(tl.float32), 0.0), s_in_ptr, STATIC)
+    tl.store(q_ptr + row * n_cols + cols, q, mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # HF: silu rounded, then the product rounded
+    y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # finite at both ends
+    act = (0.5 * g * (1.0 + tanh)).to(gate.dtype)  # HF: gelu rounded, then the product rounded
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (Gemma's MLP)."""
+    n_rows, two_i = x.shape
+    n_cols = two_i // 2
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    block = 1024
+    if n_rows:
+        _gelu_tanh_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](x, out, n_cols, x.stride(0), out.stride(0),
+                                                                     BLOCK=block, num_warps=4)
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -121,3 +193,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows:
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 static_scale: torch.Tensor | None = None):
+    """rms_norm whose output is quantized per token for torch._scaled_mm: an Fp8Activation holding exactly
+    fp8_quant.quantize_per_token(rms_norm(x, ...), static_scale); with a residual, (that, x + residual)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n_rows, n_cols = x2.shape
+    q, scale = empty_fp8_rows(n_rows, n_cols, x.device)
+    res_out = torch.empty_like(x2) if residual is not None else x2  # unwritten without a residual
+    r2 = residual.reshape(-1, n_cols) if residual is not None else x2
+    if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        _rms_norm_fp8_kernel[(n_rows,)](
+            x2, r2, weight, q.view(torch.uint8), scale, static_scale if static_scale is not None else scale, res_out,
+            n_cols, eps, x2.stride(0), r2.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=residual is not None, STATIC=static_scale is not None, BLOCK=block,
+            num_warps=row_warps(block),
+        )
+    out = Fp8Activation(q, scale, x.dtype)
+    return out if residual is None else (out, res_out.view(shape))
+
+
+def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Activation:
+    """silu_and_mul quantized per token for torch._scaled_mm: exactly
+    fp8_quant.quantize_per_token(silu_and_mul(x), static_scale), without the 16-bit intermediate."""
+    n_rows, two_i = x.shape
+    n_cols = two_i // 2
+    q, scale = empty_fp8_rows(n_rows, n_cols, x.device)
+    if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        _silu_mul_fp8_kernel[(n_rows,)](
+            x, q.view(torch.uint8), scale, static_scale if static_scale is not None else scale, n_cols, x.stride(0),
+            STATIC=static_scale is not None, BLOCK=block, num_warps=row_warps(block),
+        )
+    return Fp8Activation(q, scale, x.dtype)

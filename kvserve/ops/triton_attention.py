@@ -21,6 +21,15 @@ captured in a CUDA graph):
   few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
   range of the context (the same inner loop) and writes its partial output, running max and sum; the
   combine kernel (grid ``(B, H)``) merges them. ``TritonAttentionBackend.choose_num_splits`` decides.
+
+Per-layer options, each a constexpr switch so a layer without them compiles to the code above:
+
+* ``sliding_window`` W (HAS_WINDOW): key j is visible from query i iff ``i - W < j <= i``. Keys left of a
+  tile's first query's window are never read (their blocks may have been freed and reused): the unified
+  kernel walks ``[max(0, first - W + 1), causal limit)``: the keys that every row of the tile sees go
+  unmasked, the rest masked by both bounds; a decode split covers only ``[max(0, seq_len - W), seq_len)``.
+* ``logits_soft_cap`` C (SOFT_CAP): each scaled score s becomes ``C * tanh(s / C)`` before the softmax
+  (Gemma 2); the kernels work in the log2 domain, so they cap with C * log2(e).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from kvserve.ops.fp8_quant import e4m3_bits
 from kvserve.ops.split_k import num_sms
 
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -68,15 +78,17 @@ def _reshape_and_cache_kernel(
 @triton.jit
 def _attend_keys(
     acc, l_i, m_i, q, query_pos,
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, key_end, qk_scale,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, key_end, qk_scale, window, soft_cap,
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
     [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
-    ([BLOCK_M]); else the caller guarantees whole TILE_N tiles that every row may see. Scores are in the
-    log2 domain (qk_scale includes log2(e)); m_i stays -inf for rows that saw no key."""
+    ([BLOCK_M]), and with HAS_WINDOW keys at or before query_pos - window; else the caller guarantees
+    whole TILE_N tiles that every row may see. Scores are in the log2 domain (qk_scale includes log2(e),
+    soft_cap is C * log2(e)); m_i stays -inf for rows that saw no key."""
     d = tl.arange(0, HEAD_DIM_P)
     n = tl.arange(0, TILE_N)
     for start in range(key_start, key_end, TILE_N):
@@ -105,8 +117,13 @@ def _attend_keys(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if SOFT_CAP:  # C * tanh(s / C), tanh(x) = 1 - 2 / (exp(2x) + 1) (finite at both ends)
+            s = soft_cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E_C) / soft_cap) + 1.0))
         if MASKED:
-            s = tl.where(k_ok[None, :] & (kpos[None, :] <= query_pos[:, None]), s, float("-inf"))
+            visible = k_ok[None, :] & (kpos[None, :] <= query_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] > query_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
         p = tl.exp2(s - m_use[:, None])
@@ -121,12 +138,12 @@ def _attend_keys(
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-    num_reqs, qk_scale,
+    num_reqs, qk_scale, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
     # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
@@ -174,13 +191,31 @@ def _unified_attention_kernel(
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    full_start = full_end * 0
+    if HAS_WINDOW:
+        # Keys before the first query's window are never read; those before the window of the tile's
+        # last query are seen by some rows only (masked); whole TILE_N tiles after that, up to full_end,
+        # by every row.
+        first_pos = ctx_len + q_first
+        last_pos = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
+        key_lo = tl.maximum(first_pos - window + 1, 0)
+        full_end = tl.maximum(full_end, key_lo)
+        seen_by_all = tl.minimum(tl.maximum(last_pos - window + 1, key_lo), full_end)
+        full_start = full_end - (full_end - seen_by_all) // TILE_N * TILE_N
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_lo, full_start, qk_scale,
+            window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+            True, KV_FP8, HAS_WINDOW, SOFT_CAP,
+        )
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, 0, full_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False, KV_FP8,
+        acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_start, full_end, qk_scale,
+        window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        False, KV_FP8, HAS_WINDOW, SOFT_CAP,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True, KV_FP8,
+        window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        True, KV_FP8, HAS_WINDOW, SOFT_CAP,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -194,11 +229,12 @@ def _unified_attention_kernel(
 def _decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+    window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Decode-only batches: one program per (request, kv head, split of the context)."""
     req = tl.program_id(0)
@@ -218,10 +254,14 @@ def _decode_kernel(
     tok = q_start.to(tl.int64)
     q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
-    # The split's key range: the context cut into NUM_SPLITS pieces of whole TILE_N tiles.
-    per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    # The split's key range: the visible context (all of it, or the window's last keys) cut into
+    # NUM_SPLITS pieces of whole TILE_N tiles.
+    first_key = seq_len * 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+    per_split = (seq_len - first_key + NUM_SPLITS - 1) // NUM_SPLITS
     per_split = (per_split + TILE_N - 1) // TILE_N * TILE_N
-    key_start = split * per_split
+    key_start = first_key + split * per_split
     key_end = tl.minimum(key_start + per_split, seq_len)
     query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
 
@@ -233,13 +273,16 @@ def _decode_kernel(
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    # Every key of the range is inside the query's window: no window mask needed.
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, full_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, False, KV_FP8,
+        window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        False, KV_FP8, False, SOFT_CAP,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC, True, KV_FP8,
+        window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
+        True, KV_FP8, False, SOFT_CAP,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if KV_FP8:
@@ -274,7 +317,7 @@ def _combine_splits_kernel(
     m_s = tl.load(part_m_ptr + row, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
     o_s = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + d[None, :], mask=s_ok[:, None], other=0.0)
-    m_max = tl.max(m_s, axis=0)  # finite: the first split always holds key 0
+    m_max = tl.max(m_s, axis=0)  # finite: the first split always holds the first visible key
     w = tl.exp2(m_s - m_max) * l_s  # empty splits: exp2(-inf) * 0 = 0
     out = tl.sum(o_s * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
@@ -330,6 +373,12 @@ class TritonAttentionBackend:
     # Launch configurations: (BLOCK_M rows, TILE_N keys per inner step, num_warps, num_stages).
     # BLOCK_M is raised to the GQA group size where that is larger.
     PREFILL_CONFIG = (64, 32, 4, 2)  # unified kernel, batches with a query longer than 1
+    # Steps with a query of at least LONG_PREFILL_MIN_QUERY tokens (long prompts: W2, TTFT at 8k), where the
+    # attention's FLOPs grow with the square of the prompt: bigger tiles (32 tokens x a GQA group of 4 rows,
+    # 64 keys a step, two warpgroups) do twice the tensor-core work per K/V tile read. A first choice by
+    # reasoning, to be placed by benchmarks/ab_kernels.py's prefill sweep on the GPU.
+    LONG_PREFILL_CONFIG = (128, 64, 8, 2)
+    LONG_PREFILL_MIN_QUERY = 4096
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
     # Split-KV: each split gets at least this many keys, and at most this many splits.
@@ -363,8 +412,14 @@ class TritonAttentionBackend:
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
-                ) -> torch.Tensor:
+    def launch_config(self, max_query_len: int) -> tuple[int, int, int, int]:
+        """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query."""
+        if max_query_len == 1:
+            return self.DECODE_CONFIG
+        return self.LONG_PREFILL_CONFIG if max_query_len >= self.LONG_PREFILL_MIN_QUERY else self.PREFILL_CONFIG
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -387,7 +442,10 @@ class TritonAttentionBackend:
         qk_scale = scale * _LOG2E
         block_tables = meta.block_tables
         common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec,
-                  "KV_FP8": kv_fp8}
+                  "KV_FP8": kv_fp8, "HAS_WINDOW": sliding_window is not None, "SOFT_CAP": logits_soft_cap is not None}
+        # Unread when their switch is off; the cap in the kernels' log2 domain.
+        window = sliding_window or 0
+        soft_cap = (logits_soft_cap or 1.0) * _LOG2E
         scale_ptrs = (k_scale, v_scale) if kv_fp8 else (meta.seq_lens, meta.seq_lens)  # unread without fp8
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
 
@@ -404,7 +462,7 @@ class TritonAttentionBackend:
             _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
                 out, part_out, part_m, part_l,
                 q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, qk_scale,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+                window, soft_cap, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
                 NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
                 TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
             )
@@ -415,14 +473,14 @@ class TritonAttentionBackend:
             )
             return out
 
-        cfg = self.DECODE_CONFIG if meta.max_query_len == 1 else self.PREFILL_CONFIG
+        cfg = self.launch_config(meta.max_query_len)
         block_m, tile_n, warps, stages = cfg
         block_m = max(block_m, _next_pow2(g))
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
         _unified_attention_kernel[(num_tiles * num_kv_heads,)](
             out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs,
-            num_reqs, qk_scale,
+            num_reqs, qk_scale, window, soft_cap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             num_warps=warps, num_stages=stages, **common,

@@ -154,6 +154,10 @@ class CudaGraphRunner:
                 return s
         return None
 
+    def fits_rows(self, num_logits_rows: int) -> bool:
+        """Whether a mixed step's sampled positions fit the staged logits-index region."""
+        return num_logits_rows <= self.max_rows
+
     def _stage(self, key, tokens: dict, rows: dict, tables: np.ndarray, num_rows: int, placeholders, last_sampled):
         """Write the step's arrays (already padded) into the pinned twin, copy the used prefix of each
         region in one go, fill placeholders and replay."""

@@ -18,8 +18,8 @@ import os
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.worker import memory_plan
-from kvserve.worker.memory_plan import GiB
+from kvserve.sizing import memory_plan
+from kvserve.sizing.memory_plan import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), tensor_parallel_size=tp,
         pipeline_parallel_size=pp, quantization=None if quant in (None, "none") else quant,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, total_gpu_bytes=total_gpu_bytes,
         others_bytes=others_bytes,
@@ -92,7 +93,8 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
 
 def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
     tp, pp = parallel_sizes(config)
-    return memory_plan.rank_shapes(config.model_config, tp, pp)[stage]
+    expert_parallel = getattr(config.args, "enable_expert_parallel", False)
+    return memory_plan.rank_shapes(config.model_config, tp, pp, expert_parallel)[stage]
 
 
 def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:
@@ -123,7 +125,8 @@ def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
     kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     logger.info("%s KV cache size: %d tokens (dtype %s)", "GPU" if config.device == "cuda" else "CPU", tokens, kv_dtype)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len,
-                memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len))
+                memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len,
+                                            config.model_config.kv_cache_window))
 
 
 def _host_memory() -> tuple[int, int]:
@@ -274,7 +277,7 @@ class StartupMemory:
             self.total / GiB, args.gpu_memory_utilization, budget / GiB, self.others / GiB, weights / GiB,
             peak / GiB, non_torch / GiB, graphs / GiB,
         )
-        one_request = -(-config.max_model_len // args.block_size) * bytes_per_block
+        one_request = _one_request_blocks(config) * bytes_per_block
         if kv_bytes < one_request:
             self._raise_no_kv(kv_bytes, bytes_per_block, weights, peak + graphs, budget, non_torch)
         return kv_bytes
@@ -283,7 +286,7 @@ class StartupMemory:
         """The weights loaded, but the step's activations leave too little KV for one request: a smaller
         step budget if that frees enough, else the weights are the problem."""
         cfg, args = self.config, self.config.args
-        one_request = -(-cfg.max_model_len // args.block_size) * bytes_per_block
+        one_request = _one_request_blocks(cfg) * bytes_per_block
         if kv_bytes >= bytes_per_block:  # some KV is left: the length is what to change
             raise self._length_error(kv_bytes, bytes_per_block)
         shortfall = one_request - kv_bytes
@@ -304,10 +307,17 @@ class StartupMemory:
         return length_error(self.config, kv_bytes, bytes_per_block, self.others)
 
 
+def _one_request_blocks(cfg: EngineConfig) -> int:
+    """Blocks one request of max_model_len tokens holds at once (less with a sliding window on every layer)."""
+    tokens = memory_plan.request_kv_tokens(cfg.max_model_len, cfg.args.block_size, cfg.model_config.kv_cache_window,
+                                           cfg.max_num_batched_tokens)
+    return tokens // cfg.args.block_size
+
+
 def length_error(cfg: EngineConfig, kv_bytes: int, bytes_per_block: int, others: int = 0) -> StartupMemoryError:
     args = cfg.args
     capacity = kv_bytes // bytes_per_block * args.block_size
-    needed_blocks = -(-cfg.max_model_len // args.block_size)
+    needed_blocks = _one_request_blocks(cfg)
     where = ("--kv-cache-memory-bytes" if cfg.device != "cuda" or args.kv_cache_memory_bytes is not None
              else "--gpu-memory-utilization (or --kv-cache-memory-bytes)")
     return StartupMemoryError(
@@ -322,5 +332,5 @@ def length_error(cfg: EngineConfig, kv_bytes: int, bytes_per_block: int, others:
 def check_max_model_len_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int, kv_bytes: int) -> None:
     """Fail at start-up, not mid-request, when one full-length request cannot fit in the KV cache (the
     executor calls it with the block count every rank can hold)."""
-    if num_blocks * config.args.block_size < config.max_model_len:
+    if num_blocks < _one_request_blocks(config):
         raise length_error(config, num_blocks * bytes_per_block, bytes_per_block)

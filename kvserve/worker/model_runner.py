@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into one flat forward pass and returns each request's sampled token."""
+"""Turns a step message into one flat forward pass and returns each request's sampled tokens (one, or
+with drafts to verify, the accepted drafts plus one)."""
 
 from __future__ import annotations
 
@@ -8,57 +9,22 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from kvserve.core.sched_output import StepMessage
 from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_next_stage
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
-from kvserve.worker.memory_plan import mixed_graph_sizes
+from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
+from kvserve.sizing.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
-from kvserve.worker.step_inputs import NO_PLACEHOLDERS, StagingBuffer, StepInputs, fill_placeholders
+from kvserve.worker.spec_verify import verify_drafts
+from kvserve.worker.step_inputs import StagingBuffer, StepInputs, fill_placeholders
 
 logger = logging.getLogger(__name__)
-
-
-class BlockTables:
-    """Every running request's block ids in one persistent numpy array (a row per request), so a step
-    gathers its table with one fancy index instead of rebuilding it from Python lists."""
-
-    def __init__(self, max_rows: int, max_blocks: int):
-        self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
-        self.lengths = np.zeros(max_rows, dtype=np.int64)
-        self.rows: dict[str, int] = {}
-        self.free_rows = list(range(max_rows - 1, -1, -1))
-
-    def add(self, rid: str, block_ids: list[int]) -> None:
-        if not self.free_rows:  # more live requests than max_num_seqs (possible only transiently)
-            grow = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
-            self.free_rows = list(range(2 * grow - 1, grow - 1, -1))
-        row = self.free_rows.pop()
-        self.rows[rid] = row
-        self.lengths[row] = 0
-        self.append(rid, block_ids)
-
-    def append(self, rid: str, block_ids: list[int]) -> None:
-        row = self.rows[rid]
-        n = int(self.lengths[row])
-        self.table[row, n:n + len(block_ids)] = block_ids
-        self.lengths[row] = n + len(block_ids)
-
-    def release(self, rid: str) -> None:
-        row = self.rows.pop(rid, None)
-        if row is not None:
-            self.free_rows.append(row)
-
-    def gather(self, rids: list[str]) -> np.ndarray:
-        rows = np.fromiter((self.rows[r] for r in rids), dtype=np.int64, count=len(rids))
-        return self.table[rows, : int(self.lengths[rows].max())]
 
 
 class ModelRunner:
@@ -98,14 +64,9 @@ class ModelRunner:
         self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
         self.graph_runner: CudaGraphRunner | None = None
         self.graph_sizes = capture_sizes(config.args.max_num_seqs)
-        # Per-request state that outlives a step.
-        max_blocks = -(-config.max_model_len // self.block_size)
-        self.block_tables = BlockTables(config.args.max_num_seqs, max_blocks)
-        self.generators: dict[str, torch.Generator] = {}
-        # The last step's sampled ids stay on the device: with async scheduling the next step's inputs
-        # hold placeholders for them, filled here by request row without a trip through the host.
-        self.last_sampled: torch.Tensor | None = None
-        self.last_sampled_rows: dict[str, int] = {}
+        # Per-request state that outlives a step: one owner, whichever executor delivers the steps.
+        self.input_batch = InputBatch(config.args.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                      self.block_size, self.device)
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -206,11 +167,18 @@ class ModelRunner:
         blocks_per_seq = -(-int(q_lens.max()) // self.block_size)
         scratch = self.allocate_kv_cache(num_seqs * blocks_per_seq)
         tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int64).reshape(num_seqs, blocks_per_seq)
-        inputs, meta = self._build_inputs(
-            token_ids=np.zeros(num_tokens, dtype=np.int64), q_lens=q_lens,
-            starts=np.zeros(num_seqs, dtype=np.int64), tables=tables, logits_rows=list(range(num_seqs)),
-            placeholders=NO_PLACEHOLDERS,
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        req_idx = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(num_tokens) - qsl[req_idx]
+        bs = self.block_size
+        layout = StepLayout(
+            token_ids=np.zeros(num_tokens, dtype=np.int64), q_lens=q_lens, starts=np.zeros(num_seqs, dtype=np.int64),
+            block_tables=tables, query_start_loc=qsl, positions=positions,
+            slot_mapping=tables[req_idx, positions // bs] * bs + positions % bs, logits_indices=qsl[1:] - 1,
+            sample_states=[], sampling_requests=[], placeholders=NO_PLACEHOLDERS, has_drafts=False,
         )
+        inputs, meta = self._build_inputs(layout)
         intermediate = None
         if not self.model.is_first_stage:
             zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
@@ -234,139 +202,74 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     # ---- one step --------------------------------------------------------------------------------
-    def _update_states(self, out: SchedulerOutput) -> None:
-        tables = self.block_tables
-        for rid in out.finished_req_ids:
-            tables.release(rid)
-            self.generators.pop(rid, None)
-        for rid in out.preempted_req_ids:
-            tables.release(rid)  # the generator stays: a resumed request continues its stream
-        for s in out.scheduled:
-            if s.is_new:
-                tables.release(s.request_id)
-                tables.add(s.request_id, s.new_block_ids)
-            elif s.new_block_ids:
-                tables.append(s.request_id, s.new_block_ids)
-            seed = getattr(s.sampling_params, "seed", None)
-            if seed is not None and s.request_id not in self.generators:
-                self.generators[s.request_id] = torch.Generator(device=self.device).manual_seed(seed)
-
-    def _positions_and_slots(self, q_lens, starts, tables):
-        num_reqs = len(q_lens)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        req_idx = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(num_tokens) - qsl[req_idx] + starts[req_idx]
-        bs = self.block_size
-        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
-        return qsl, positions, slot_mapping
-
-    def _build_inputs(self, token_ids, q_lens, starts, tables, logits_rows, placeholders
-                      ) -> tuple[StepInputs, AttentionMetadata]:
-        qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-        num_tokens = int(qsl[-1])
-        seq_lens = starts + q_lens
-        bs = self.block_size
-        placeholder_index, placeholder_rows = placeholders
+    def _build_inputs(self, layout: StepLayout) -> tuple[StepInputs, AttentionMetadata]:
+        seq_lens = layout.seq_lens
+        placeholder_index, placeholder_rows = layout.placeholders
         inputs = StepInputs(
             dict(
-                input_ids=token_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=qsl,
-                seq_lens=seq_lens, logits_indices=qsl[1:][logits_rows] - 1, placeholder_index=placeholder_index,
-                placeholder_rows=placeholder_rows, block_tables=tables,
+                input_ids=layout.token_ids, positions=layout.positions, slot_mapping=layout.slot_mapping,
+                query_start_loc=layout.query_start_loc, seq_lens=seq_lens, logits_indices=layout.logits_indices,
+                placeholder_index=placeholder_index, placeholder_rows=placeholder_rows,
+                block_tables=layout.block_tables,
             ),
             self.device,
             self.staging,
         )
         if placeholder_index.size:
-            fill_placeholders(inputs.input_ids, inputs.placeholder_index, inputs.placeholder_rows, self.last_sampled)
+            fill_placeholders(inputs.input_ids, inputs.placeholder_index, inputs.placeholder_rows,
+                              self.input_batch.last_sampled)
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
             block_tables=inputs.block_tables,
-            max_query_len=int(q_lens.max()),
+            max_query_len=int(layout.q_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            num_actual_tokens=num_tokens,
-            block_size=bs,
+            num_actual_tokens=int(layout.token_ids.size),
+            block_size=self.block_size,
             query_start_loc_cpu=inputs.query_start_loc_cpu,
             seq_lens_cpu=inputs.seq_lens_cpu,
         )
         return inputs, meta
 
-    def _host_arrays(self, out: SchedulerOutput):
-        sched = out.scheduled
-        num_reqs = len(sched)
-        q_lens = np.fromiter((len(s.token_ids) for s in sched), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.start_pos for s in sched), dtype=np.int64, count=num_reqs)
-        token_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
-        tables = self.block_tables.gather([s.request_id for s in sched])
-        logits_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-        return token_ids, q_lens, starts, tables, logits_rows, self._placeholders(sched, token_ids, q_lens)
-
-    def _placeholders(self, sched, token_ids: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(flat index in the step's tokens, row in last_sampled) of each token sampled by the step in flight.
-        Only the last token of a request's chunk can be one."""
-        index = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
-        if not index.size:
-            return NO_PLACEHOLDERS
-        reqs = np.searchsorted(np.cumsum(q_lens), index, side="right")
-        rows = np.fromiter((self.last_sampled_rows[sched[i].request_id] for i in reqs), dtype=np.int64,
-                           count=len(reqs))
-        return index, rows
-
-    def prepare_inputs(self, out: SchedulerOutput):
-        token_ids, q_lens, starts, tables, logits_rows, placeholders = self._host_arrays(out)
-        inputs, meta = self._build_inputs(token_ids, q_lens, starts, tables, logits_rows, placeholders)
-        return inputs, meta, logits_rows
-
-    def _run_graph(self, out: SchedulerOutput):
-        """Steps that fit a captured graph: (hidden states of the rows that sample, those rows), or None
-        when the step must run eagerly."""
+    def _run_graph(self, batch, layout: StepLayout):
+        """Steps that fit a captured graph: the hidden states of the positions that sample, or None when
+        the step must run eagerly. The graphs read the same layout as the eager forward."""
         graphs = self.graph_runner
         if graphs is None:
             return None
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
+        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
             return None
-        num_reqs = len(out.scheduled)
-        decode_only = all(len(s.token_ids) == 1 for s in out.scheduled)
+        num_reqs = len(batch)
+        last_sampled = self.input_batch.last_sampled
+        decode_only = int(layout.q_lens.max()) == 1 and len(layout.sample_states) == num_reqs  # each samples
         if decode_only and graphs.padded_size(num_reqs) is not None:
-            token_ids, q_lens, starts, tables, _, placeholders = self._host_arrays(out)
-            _, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-            hidden = graphs.run(num_reqs, token_ids, positions, slot_mapping, starts + 1, tables,
-                                placeholders, self.last_sampled)
-            return hidden, list(range(num_reqs))  # decode: one token per request, every one samples
-        num_tokens = sum(len(s.token_ids) for s in out.scheduled)
-        if graphs.mixed_padded_size(num_tokens) is None:
+            return graphs.run(num_reqs, layout.token_ids, layout.positions, layout.slot_mapping, layout.starts + 1,
+                              layout.block_tables, layout.placeholders, last_sampled)
+        if graphs.mixed_padded_size(int(layout.token_ids.size)) is None or not graphs.fits_rows(layout.logits_indices.size):
             return None
-        token_ids, q_lens, starts, tables, rows, placeholders = self._host_arrays(out)
-        qsl, positions, slot_mapping = self._positions_and_slots(q_lens, starts, tables)
-        logits_indices = qsl[1:][rows] - 1
-        hidden = graphs.run_mixed(token_ids, positions, slot_mapping, qsl, starts + q_lens, tables,
-                                  logits_indices, placeholders, self.last_sampled)
-        return hidden, rows
-
-    def _sampling_metadata(self, out: SchedulerOutput, rows: list[int], vocab_size: int) -> SamplingMetadata:
-        return build_sampling_metadata([out.scheduled[i] for i in rows], self.generators, vocab_size, self.device)
+        return graphs.run_mixed(layout.token_ids, layout.positions, layout.slot_mapping, layout.query_start_loc,
+                                layout.seq_lens, layout.block_tables, layout.logits_indices, layout.placeholders,
+                                last_sampled)
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, out: SchedulerOutput, rids: list[str]) -> None:
+    def _apply_grammar_bitmask(logits: torch.Tensor, msg, rids: list[str]) -> None:
         """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
-        mask_row = out.structured_output_request_ids
+        mask_row = msg.structured_output_request_ids
         logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
         if logits_rows:
-            masks = out.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            masks = msg.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
             apply_token_bitmask(logits, masks, logits_rows)
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput) -> PendingOutput:
+    def execute_async(self, msg: StepMessage) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
-        self._update_states(out)
+        batch = self.input_batch.apply(msg)
         # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
-        self.swap_blocks(getattr(out, "blocks_to_swap_out", None), to_cpu=True)
-        self.swap_blocks(getattr(out, "blocks_to_swap_in", None), to_cpu=False)
-        if out.is_empty:
+        self.swap_blocks(msg.blocks_to_swap_out, to_cpu=True)
+        self.swap_blocks(msg.blocks_to_swap_in, to_cpu=False)
+        if not batch:
             return PendingOutput.empty()
         calculate_kv_scales = self.calculate_kv_scales_pending
         if calculate_kv_scales:
@@ -376,14 +279,12 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "calculate_kv_scales"):
                     module.calculate_kv_scales = True
-        num_reqs = len(out.scheduled)
-        graph_out = None if calculate_kv_scales else self._run_graph(out)
-        if graph_out is not None:
-            logits_input, rows = graph_out
-        else:
-            inputs, meta, rows = self.prepare_inputs(out)
+        layout = self.input_batch.layout(batch)
+        logits_input = None if calculate_kv_scales else self._run_graph(batch, layout)
+        if logits_input is None:
+            inputs, meta = self._build_inputs(layout)
             if meta.max_query_len == 1:
-                meta.num_kv_splits = self.decode_num_kv_splits(num_reqs)
+                meta.num_kv_splits = self.decode_num_kv_splits(len(batch))
             model = self.model
             intermediate = None
             if not model.is_first_stage:  # the previous stage's hidden states and residual
@@ -393,21 +294,28 @@ class ModelRunner:
             if not model.is_last_stage:  # only the last stage computes logits and samples
                 send_to_next_stage(list(hidden))
                 return PendingOutput.empty()
-            logits_input = hidden[inputs.logits_indices] if rows else None
+            logits_input = hidden[inputs.logits_indices] if layout.sample_states else None
         prompt_logprobs = {}
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in out.scheduled):
+        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
             prompt_logprobs = compute_prompt_logprobs(
-                out.scheduled, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
+                batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
-        if not rows:
+        if not layout.sample_states:
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
-        scheduled = [out.scheduled[i] for i in rows]
-        rids = [s.request_id for s in scheduled]
-        if out.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, out, rids)
-        sampler_out = sample(logits, self._sampling_metadata(out, rows, logits.shape[-1]))
-        self.last_sampled = sampler_out.sampled
-        self.last_sampled_rows = {rid: j for j, rid in enumerate(rids)}
-        wants_logprobs = [s.sampling_params.logprobs is not None for s in scheduled]
-        return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
+        requests = layout.sampling_requests
+        rids = [s.request_id for s in requests]
+        wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
+        if msg.grammar_bitmask is not None:
+            if layout.has_drafts:  # the mask has one row per request, not one per draft position
+                raise ValueError("structured outputs with draft tokens are not supported yet")
+            self._apply_grammar_bitmask(logits, msg, rids)
+        if not layout.has_drafts:
+            meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
+                                             self.device)
+            sampler_out = sample(logits, meta_s)
+            self.input_batch.record_sampled(sampler_out.sampled, layout)
+            return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
+        verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
+        self.input_batch.record_sampled(verified.row_token_ids, layout)
+        return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

@@ -1,4 +1,4 @@
-"""What one model-runner step hands back to the engine: sampled tokens, and logprobs where asked for.
+"""What one model-runner step hands back to the engine: each request's new tokens, and logprobs where asked.
 
 Also computes prompt logprobs: the model's distribution at every prompt position of the requests that
 asked, chunk by chunk as the prompt is prefilled.
@@ -28,8 +28,10 @@ class PositionLogprobs:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # one position per sampling request
+    req_ids: list[str] = field(default_factory=list)  # the requests that sampled, in batch order
+    # Per request: its new tokens (one, or the drafts it accepted and one more).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # one position per new token
     # request id -> (index in the prompt of the first token scored, logprobs of consecutive prompt tokens)
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)
 
@@ -39,13 +41,17 @@ class PendingOutput:
     behind the step's kernels at once; `result()` waits for them only (not for later steps queued since)."""
 
     def __init__(self, rids: list[str], sampler_out, wants_logprobs: list[bool],
-                 prompt_logprobs: dict | None = None):
+                 prompt_logprobs: dict | None = None, verified=None):
+        """`verified`: instead of `sampler_out`, a step that verified drafts (spec_verify.VerifyOutput): per
+        request its new tokens, padded with -1, and logprobs with one row per new token."""
         self.rids = rids
         self.wants_logprobs = wants_logprobs
         self.prompt_logprobs = prompt_logprobs or {}
-        tensors = [sampler_out.sampled] if sampler_out is not None else []
-        if sampler_out is not None and sampler_out.logprobs is not None:
-            tensors += [sampler_out.logprob_token_ids, sampler_out.logprobs, sampler_out.sampled_ranks]
+        self.multi_token = verified is not None
+        out = verified if verified is not None else sampler_out
+        tensors = [] if out is None else [verified.token_ids if verified is not None else sampler_out.sampled]
+        if out is not None and out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         self.event = None
         if tensors and tensors[0].is_cuda:
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -65,14 +71,19 @@ class PendingOutput:
         if self._result is None:
             if self.event is not None:
                 self.event.synchronize()
-            out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
-            if self.host:
-                out.sampled = dict(zip(self.rids, self.host[0].tolist()))
+            out = RunnerOutput(req_ids=self.rids, prompt_logprobs=self.prompt_logprobs)
+            if self.host and self.multi_token:
+                out.sampled_token_ids = [[t for t in row if t >= 0] for row in self.host[0].tolist()]
+            elif self.host:
+                out.sampled_token_ids = [[t] for t in self.host[0].tolist()]
             if len(self.host) > 1:
                 ids, lps, ranks = (t.tolist() for t in self.host[1:])
+                row = 0  # logprobs rows: one per new token, request after request
                 for j, rid in enumerate(self.rids):
+                    n = len(out.sampled_token_ids[j])
                     if self.wants_logprobs[j]:
-                        out.logprobs[rid] = PositionLogprobs([ids[j]], [lps[j]], [ranks[j]])
+                        out.logprobs[rid] = PositionLogprobs(ids[row:row + n], lps[row:row + n], ranks[row:row + n])
+                    row += n
             self._result = out
         return self._result
 

@@ -127,20 +127,35 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] float32 (edited in place) -> SamplerOutput."""
-    raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32 (edited in place) -> (greedy ids [B], the distribution each row samples from
+    [B, V], or None when every row is greedy). The one place where the sampling parameters shape the
+    distribution: the plain sampler draws from it, speculative decoding verifies drafts against it."""
     logits = apply_logit_edits(logits, meta)
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
+        return greedy, None
+    temp = meta.temperature
+    scaled = logits / torch.where(temp < _SAMPLING_EPS, 1.0, temp)[:, None]
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    return greedy, scaled.softmax(dim=-1)
+
+
+def is_greedy_row(meta: SamplingMetadata) -> torch.Tensor | None:
+    """[B] bool: rows at temperature 0 (None when every row is)."""
+    return None if meta.all_greedy else meta.temperature < _SAMPLING_EPS
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """logits [B, V] float32 (edited in place) -> SamplerOutput."""
+    raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+    greedy, probs = processed_probs(logits, meta)
+    if probs is None:
         sampled = greedy
     else:
-        temp = meta.temperature
-        scaled = logits / torch.where(temp < _SAMPLING_EPS, 1.0, temp)[:, None]
-        if meta.min_p is not None:
-            scaled = apply_min_p(scaled, meta.min_p)
-        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-        sampled = torch.where(temp < _SAMPLING_EPS, greedy, random_sample(scaled.softmax(dim=-1), meta.generators))
+        sampled = torch.where(is_greedy_row(meta), greedy, random_sample(probs, meta.generators))
     out = SamplerOutput(sampled=sampled)
     if raw_logprobs is not None:
         out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(

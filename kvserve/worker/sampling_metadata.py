@@ -7,6 +7,7 @@ batch costs a few list comprehensions and the all-greedy batch almost nothing.
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -137,14 +138,17 @@ def build_sampling_metadata(
     return meta
 
 
-def sampling_inputs_valid(scheduled, vocab_size: int) -> bool:
+def sampling_inputs_valid(request, vocab_size: int) -> bool:
     """Whether one request's own sampling inputs (its seed's generator, its parameters as tensors) can be
-    built: after a failed step the engine asks this of each request, to find the one to blame."""
+    built: after a failed step the engine asks this of each request (a core Request), to find the one to blame."""
     try:
-        seed = getattr(scheduled.sampling_params, "seed", None)
+        seed = getattr(request.sampling_params, "seed", None)
         if seed is not None:
             torch.Generator().manual_seed(seed)
-        build_sampling_metadata([scheduled], {}, vocab_size, torch.device("cpu"))
+        row = SimpleNamespace(request_id=request.request_id, sampling_params=request.sampling_params,
+                              prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
+                              output_len=len(request.output_token_ids))
+        build_sampling_metadata([row], {}, vocab_size, torch.device("cpu"))
     except Exception:  # noqa: BLE001 - any failure here is this request's
         return False
     return True

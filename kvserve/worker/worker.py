@@ -38,7 +38,8 @@ class Worker:
             torch.cuda.set_device(self.local_rank)
         if args.world_size > 1:
             init_distributed(self.rank, args.tensor_parallel_size, args.pipeline_parallel_size,
-                             self.distributed_init_method, "nccl" if config.device == "cuda" else "gloo")
+                             self.distributed_init_method, "nccl" if config.device == "cuda" else "gloo",
+                             expert_parallel=args.enable_expert_parallel)
         # Every rank draws the same random numbers: tensor-parallel ranks sample identical tokens.
         torch.manual_seed(args.seed)
 

@@ -3,19 +3,23 @@
 The port opens at once and answers 503 while the model loads (so orchestrators can probe /health); on
 SIGTERM/SIGINT it answers 503 to new requests while in-flight streams finish (bounded by
 --shutdown-timeout: streams still running then get an error event and [DONE]), stops the engine and exits
-0. If the engine core dies, every request (and /health) answers 500 and the server exits 1.
+0. The engine's processes ignore those signals, so a signal to the whole process group (systemd,
+Kubernetes) drains the same way. If the engine core dies, every request (and /health) answers 500 and
+the server exits 1; if it stops answering (a hung step, SIGSTOP) for --engine-heartbeat-timeout, /health
+answers 503 until it answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -24,18 +28,23 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import kvserve
+from kvserve import log_safety
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai.admission import AdmissionLimits
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
+from kvserve.entrypoints.openai.cli_args import (
+    DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 from kvserve.entrypoints.openai.dashboard import DASHBOARD_PAGE, add_dashboard_routes
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from kvserve.entrypoints.openai.http_limits import (
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    BodyLimitMiddleware,
-    header_timeout_protocol,
-)
+from kvserve.entrypoints.openai.host_check import HostCheckMiddleware, is_loopback
+from kvserve.entrypoints.openai.http_limits import BodyLimitMiddleware, fit_connection_limit, limited_protocol
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +52,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai.tool_parsers import check_tool_flags
+from kvserve.entrypoints.openai.serving_base import ClientDisconnectedError, RequestTimeoutError
 from kvserve.entrypoints.openai.serving_chat import ServingChat
 from kvserve.entrypoints.openai.serving_completion import ServingCompletion
 
@@ -71,6 +81,14 @@ class ServerSettings:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
+    request_timeout: float | None = None
+    engine_heartbeat_timeout: float = DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S
+    host: str = "127.0.0.1"
+    port: int = 8000
+    allowed_hosts: tuple[str, ...] = ()
+    chat_template_workers: int | None = None
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
 
 @dataclass
@@ -142,17 +160,33 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _client_left(request: Request, exc: ClientDisconnectedError):
+        return Response(status_code=499)  # nobody reads it: the point is no traceback in the log
+
+    @app.exception_handler(RequestTimeoutError)
+    async def _past_deadline(request: Request, exc: RequestTimeoutError):
+        return error_response(str(exc), 504)
+
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
-                       idle_timeout_s=settings.header_timeout)
-    app.add_middleware(_GateMiddleware, state=state)  # added last: runs first
+                       idle_timeout_s=settings.header_timeout, body_timeout_s=settings.request_body_timeout)
+    app.add_middleware(_GateMiddleware, state=state)
+    if is_loopback(settings.host) and not settings.api_key:
+        app.add_middleware(HostCheckMiddleware, bind_host=settings.host, port=settings.port,
+                           allowed_hosts=settings.allowed_hosts)  # added last: runs first
+    renderer_options = {"timeout_s": settings.chat_template_timeout}
+    if settings.chat_template_workers:
+        renderer_options["num_workers"] = settings.chat_template_workers
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
-                       timeout_s=settings.chat_template_timeout, tool_call_parser=settings.tool_call_parser)
+                       request_timeout=settings.request_timeout, tool_call_parser=settings.tool_call_parser, admission=settings.admission, **renderer_options)
     state.on_ready = chat.start_renderer
-    completion = ServingCompletion(engine, settings.served_model_name)
+    completion = ServingCompletion(engine, settings.served_model_name, request_timeout=settings.request_timeout,
+                                   admission=settings.admission)
     add_dashboard_routes(app, engine, metrics, settings.served_model_name)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if getattr(engine, "is_dead", False):
             return error_response(str(engine.dead_error), 500)
@@ -160,9 +194,14 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response("The server is shutting down.", 503)
         if not engine.is_ready:
             return error_response("The model is still loading.", 503)
+        silent = engine.seconds_since_heard()
+        if silent is not None and silent > settings.engine_heartbeat_timeout:
+            return error_response(
+                f"The engine has not completed a step or answered a heartbeat for {silent:.0f} s "
+                f"(--engine-heartbeat-timeout {settings.engine_heartbeat_timeout:g}).", 503)
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])
     async def ping():
         return await health()
 
@@ -199,13 +238,12 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Give exactly one of prompt and messages.", 400)
         if body.messages is not None:
-            text = await chat.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                          body.chat_template, body.chat_template_kwargs)
-            special = bool(body.add_special_tokens)  # the template already placed them
+            _, tokens = await chat.render_and_encode(
+                body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
+                body.chat_template_kwargs, bool(body.add_special_tokens))  # the template already placed them
         else:
-            text = body.prompt
             special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = await chat.encode(text, special, "messages" if body.messages is not None else "prompt")
+            tokens = await chat.encode(body.prompt, special, "prompt")
         return {"count": len(tokens), "max_model_len": engine.config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -300,15 +338,32 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def _note_flags_without_effect(args: EngineArgs, config) -> None:
+    """Flags that cannot act on this machine or with these settings say so, rather than nothing."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    if config.device == "cpu" and args.gpu_memory_utilization != defaults["gpu_memory_utilization"]:
+        logger.warning("--gpu-memory-utilization has no effect on CPU: the KV cache there is "
+                       "--kv-cache-memory-bytes (default 2 GiB).")
+    if args.swap_space and args.preemption_mode == "recompute":
+        logger.warning("--swap-space has no effect with --preemption-mode recompute (the default): preempted "
+                       "requests are recomputed; add --preemption-mode swap or auto to use it.")
+
+
 def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                uvicorn_log_level: str = "info", chat_template: str | None = None, response_role: str = "assistant",
                disable_log_stats: bool = False, enable_log_requests: bool = False,
                shutdown_timeout: float = 30.0, trust_request_chat_template: bool = False,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-               chat_template_timeout: float = DEFAULT_TIMEOUT_S, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None) -> int:
+               chat_template_timeout: float = DEFAULT_TIMEOUT_S, admission: AdmissionLimits | None = None,
+               request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+               max_concurrent_connections: int = DEFAULT_MAX_CONCURRENT_CONNECTIONS,
+               request_timeout: float | None = None,
+               engine_heartbeat_timeout: float = DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S,
+               allowed_hosts: tuple[str, ...] = (), chat_template_workers: int | None = None,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
+    _note_flags_without_effect(engine_args, config)
     tool_call_parser = check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     settings = ServerSettings(
         served_model_name=config.served_model_name,
@@ -324,14 +379,25 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
         tool_call_parser=tool_call_parser,
+        request_body_timeout=request_body_timeout,
+        request_timeout=request_timeout,
+        engine_heartbeat_timeout=engine_heartbeat_timeout,
+        host=host,
+        port=port,
+        allowed_hosts=tuple(allowed_hosts),
+        chat_template_workers=chat_template_workers,
+        admission=admission or AdmissionLimits(),
     )
     metrics = EngineMetrics(settings.served_model_name)
-    state = ServerState(engine=AsyncEngine(engine_args, metrics), metrics=metrics, settings=settings)
+    engine = AsyncEngine(engine_args, metrics, max_waiting_sequences=settings.admission.max_waiting_requests)
+    state = ServerState(engine=engine, metrics=metrics, settings=settings)
     app = build_app(state)
     # The drain (above) already waited for the requests; uvicorn's own wait only flushes their last bytes.
+    max_connections = fit_connection_limit(max_concurrent_connections)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                timeout_graceful_shutdown=10, timeout_keep_alive=5,
-                               http=header_timeout_protocol(header_timeout))
+                               http=limited_protocol(header_timeout, max_connections))
+    log_safety.install()  # after uvicorn's logging set-up
     server = _Server(uv_config, state)
 
     def request_exit():

@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.entrypoints.openai.not_served import not_served_message
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -21,17 +23,22 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeoutError",
+    421: "MisdirectedRequestError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -39,8 +46,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def sse_error(message: str, status: int) -> str:
@@ -67,7 +75,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -77,6 +85,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = not_served_message(request.url.path)
+            if message is not None:
+                return error_response(message, 404)
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)

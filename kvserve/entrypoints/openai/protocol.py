@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields.
 
-Unknown fields are ignored, as by vLLM and OpenAI, so newer clients keep working. Types are strict (a JSON
+Unknown fields are accepted, as by vLLM and OpenAI, so newer clients keep working, and logged once per name;
+fields kvserve does not apply are refused or logged by request_fields.py. Types are strict (a JSON
 true is not a number, "yes" is not a boolean, 1.0 is not an integer), floats must be finite, and every
 string anywhere in a body must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
 Range checks and the operator's limits (--max-n, --max-logprobs) are SamplingParams' (one source of truth,
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.sampling_params import RequestOutputKind
 
 # Deeper JSON than this is no request of ours (and would only cost the validators' recursion).
 MAX_NESTING = 32
+# OpenAI's roles. Any other role string would reach the chat template as is, and could open a turn of
+# the template's own making ("<|im_start|>" + role).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def find_invalid_text(value, path: str = "", depth: int = 0) -> str | None:
@@ -67,6 +71,8 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions, named as SamplingParams names them."""
 
+    model_config = ConfigDict(extra="allow")  # kept so request_fields.check_fields can answer each one
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -105,6 +111,7 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens (-1: max_model_len)
 
     def sampling_fields(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
         """Keyword arguments for SamplingParams. None means "the default" (OpenAI clients send nulls)."""
@@ -147,6 +154,13 @@ class _SamplingFields(_Request):
         if self.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern is not supported; use structured_outputs with "
                              "disable_any_whitespace.")
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); "
+                             "send the request without stream.")
+        if self.truncate_prompt_tokens is not None and not (
+                self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1):
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (the model's context length), "
+                             f"got {self.truncate_prompt_tokens}.")
 
 
 class CompletionRequest(_SamplingFields):
@@ -156,6 +170,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
     def check(self) -> None:
         self.check_common()
@@ -170,6 +189,13 @@ class ChatMessage(_Request):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role[:40]!r}.")
+        return role
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -187,16 +213,29 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the reply starts with the last message's content when it has the reply's role
 
     def check(self) -> None:
         self.check_common()
+        # As vLLM: -1 asks for the whole vocabulary (SamplingParams then needs --max-logprobs -1); a count
+        # that returns alternatives needs logprobs: true. (Completions' `logprobs` has no -1, as in vLLM.)
         if self.top_logprobs is not None:
-            if not self.logprobs:
+            if self.top_logprobs < -1:
+                raise ValueError(f"top_logprobs must be a non-negative integer or -1, got {self.top_logprobs}.")
+            if self.top_logprobs != 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
             if self.top_logprobs < 0:
                 raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
+        # tools themselves (and response_format) are answered by request_fields.NOT_SUPPORTED_YET
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {str(self.tool_choice)[:60]} needs tools: send the tools the "
+                             f"model may call, or leave tool_choice unset.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,24 +1,29 @@
 """What /v1/completions and /v1/chat/completions share: model check, context-length check, SamplingParams
-from a request, logprob formatting, usage, disconnect handling and SSE framing."""
+from a request, logprob formatting, usage, disconnect handling, deadlines and SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError
+from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError, EngineOverloadedError
+from kvserve.entrypoints.openai.admission import AdmissionLimits, check_request_id
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.structured_request import request_constraint
+from kvserve.entrypoints.openai.request_fields import check_fields
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.compiler import GrammarCompiler, StructuredOutputsConfig
 from kvserve.structured_output.limits import COMPILE_TIMEOUT_S
 from kvserve.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger("kvserve.server")
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp to this
@@ -27,22 +32,80 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp to this
 # Tokenizing and detokenizing long texts runs here, off the event loop (the Rust tokenizer releases the GIL).
 _TEXT_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tokenize")
 
+# What the OpenAI python client sends as its timeout (seconds, the httpx read timeout): a non-streaming
+# request is over for the client then, so the server stops working on it too.
+CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before its answer was ready (its requests are already aborted): nothing to send,
+    nothing to log (api_server answers it with an empty response that never leaves)."""
+
+
+class RequestTimeoutError(Exception):
+    """The request passed its deadline (--request-timeout or the client's own timeout) and was aborted."""
+
+
+class Deadline:
+    """When a request must be done, on the event loop's clock, and what set it."""
+
+    def __init__(self, seconds: float, source: str):
+        self.seconds = seconds
+        self.source = source
+        self.expires = asyncio.get_running_loop().time() + seconds
+        self.request_id: str | None = None  # for the log line, once the request has one
+
+    def remaining(self) -> float:
+        return self.expires - asyncio.get_running_loop().time()
+
+    def error(self) -> RequestTimeoutError:
+        logger.warning("Request %s passed its deadline of %g s (%s); aborted.", self.request_id, self.seconds,
+                       self.source)
+        return RequestTimeoutError(f"The request did not finish within its deadline of {self.seconds:g} s "
+                                   f"({self.source}) and was aborted.")
+
 
 class ServingBase:
     def __init__(self, engine: AsyncEngine, served_model_name: str, response_role: str = "assistant",
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, admission: AdmissionLimits | None = None,
+                 request_timeout: float | None = None):
         self.engine = engine
+        self.admission = admission or AdmissionLimits()
         self.served_model_name = served_model_name
         self.response_role = response_role
         self.chat_template = chat_template
+        self.request_timeout = request_timeout  # --request-timeout (None: no server deadline)
         self._max_token_bytes: int | None = None
         self._grammar_compiler: GrammarCompiler | None = None
+
+    def deadline(self, raw: Request | None, stream: bool) -> Deadline | None:
+        """The earlier of --request-timeout and, for a non-streaming request, the OpenAI client's timeout
+        (a stream's client timeout bounds the gap between chunks, not the whole stream)."""
+        candidates = []
+        if self.request_timeout:
+            candidates.append((self.request_timeout, "--request-timeout"))
+        if raw is not None and not stream:
+            try:
+                client = float(raw.headers.get(CLIENT_TIMEOUT_HEADER, ""))
+            except ValueError:
+                client = None
+            if client is not None and 0 < client < float("inf"):
+                candidates.append((client, f"the client's timeout, {CLIENT_TIMEOUT_HEADER}"))
+        if not candidates:
+            return None
+        return Deadline(*min(candidates))
 
     # ---- text work, off the event loop -----------------------------------------------------------
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of `text`, tokenized on a worker thread. A text so long that it cannot fit the context
         whatever its tokens (each token covers at most the vocabulary's longest token in bytes) is refused
         before it costs any tokenizer time."""
+        tokenizer = self.check_text_size(text, param)
+        return await asyncio.get_running_loop().run_in_executor(
+            _TEXT_POOL, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_text_size(self, text: str, param: str = "prompt"):
+        """Refuses a text too long for the context whatever its tokens; returns the tokenizer."""
         tokenizer = self.require_tokenizer("A text prompt")
         num_bytes = len(text.encode("utf-8"))
         longest = self._longest_token_bytes(tokenizer)
@@ -50,8 +113,11 @@ class ServingBase:
             raise APIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the text has {num_bytes} "
                 f"bytes, more than that many tokens can hold. Please shorten it.", 400, param)
-        return await asyncio.get_running_loop().run_in_executor(
-            _TEXT_POOL, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return tokenizer
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on a tokenizer thread: text work never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(_TEXT_POOL, fn, *args)
 
     async def decode(self, token_ids: list[int]) -> str:
         tokenizer = self.require_tokenizer("Detokenizing")
@@ -79,12 +145,27 @@ class ServingBase:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def check_request(self, req) -> None:
-        """The model exists (404) and the body's cross-field rules hold (400)."""
+        """The model exists (404), the body's cross-field rules hold and its fan-out is within the admission
+        limits (400); all before any prompt is tokenized."""
         self.check_model(req.model)
         try:
             req.check()
         except ValueError as e:
             raise APIError(str(e), 400, _param_of(str(e))) from None
+        check_request_id(req.request_id)
+        self.admission.check_fan_out(req.num_prompts, req.n, self.engine.config.args.max_n)
+        check_fields(req)
+
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens as vLLM applies it: the last `keep` tokens (-1: the context length)."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({keep}) is larger than the model's maximum context length "
+                           f"({self.max_model_len}); choose a smaller value.", 400, "truncate_prompt_tokens")
+        return token_ids[-keep:]
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -189,16 +270,20 @@ class ServingBase:
         return constraint
 
     # ---- running requests ------------------------------------------------------------------------
-    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]], raw: Request | None = None):
+    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]], raw: Request | None = None,
+                           deadline: Deadline | None = None):
         """Adds every (request_id, prompt, params) as one batch; all or nothing, and engine rejections become
         400s. With `raw`, a client that leaves while they are being admitted has them all aborted."""
         work = self.engine.add_requests(items)
         try:
             if raw is None:
                 return await work
-            return await until_disconnect(raw, work, lambda: None)  # add_requests aborts on cancellation
+            # add_requests aborts them all when cancelled
+            return await until_disconnect(raw, work, lambda: None, deadline)
         except ValueError as e:
             raise APIError(str(e), 400) from None
+        except EngineOverloadedError as e:
+            raise APIError(str(e), 429, headers={"Retry-After": str(e.retry_after_s)}) from None
         except (EngineNotReadyError, EngineFailedError) as e:
             raise engine_error(e) from None
 
@@ -240,8 +325,9 @@ async def merged(streams) -> AsyncIterator[tuple[int, object]]:
             t.cancel()
 
 
-async def until_disconnect(raw: Request, work: Awaitable, on_disconnect) -> object:
-    """Runs `work`; if the client goes away first, cancels it and calls `on_disconnect()` (abort + free)."""
+async def until_disconnect(raw: Request, work: Awaitable, on_disconnect, deadline: Deadline | None = None) -> object:
+    """Runs `work`; if the client goes away first, or `deadline` passes, cancels it and calls
+    `on_disconnect()` (abort + free), then raises ClientDisconnectedError or RequestTimeoutError."""
     task = asyncio.ensure_future(work)
 
     async def disconnected():
@@ -251,14 +337,20 @@ async def until_disconnect(raw: Request, work: Awaitable, on_disconnect) -> obje
                 return
 
     watcher = asyncio.ensure_future(disconnected())
+    timeout = None if deadline is None else max(0.0, deadline.remaining())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():
         task.cancel()
         on_disconnect()
-        raise asyncio.CancelledError("client disconnected")
+        if watcher.done() and not watcher.cancelled():
+            raise ClientDisconnectedError("client disconnected")
+        raise deadline.error()
     return task.result()
 
 
@@ -270,6 +362,23 @@ def _param_of_constraint(req) -> str | None:
     return None
 
 
+async def before_deadline(outputs, deadline: Deadline | None):
+    """The items of the async iterator `outputs`, ending with RequestTimeoutError once `deadline` passes."""
+    if deadline is None:
+        async for item in outputs:
+            yield item
+        return
+    iterator = outputs.__aiter__()
+    while True:
+        try:
+            item = await asyncio.wait_for(iterator.__anext__(), max(0.0, deadline.remaining()))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise deadline.error() from None
+        yield item
+
+
 def _param_of(message: str) -> str | None:
     """Validation messages start with the field they are about ("n must be at most 128...")."""
     first = message.split(" ", 1)[0].rstrip(":")
@@ -277,6 +386,10 @@ def _param_of(message: str) -> str | None:
 
 
 def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestTimeoutError):
+        return APIError(str(e), 504)
     if isinstance(e, EngineNotReadyError):
         return APIError(str(e), 503)
     if isinstance(e, EngineFailedError):
@@ -345,16 +458,32 @@ def completion_logprobs(token_ids: list[int], positions: list, tokenizer, text_o
     return out
 
 
+def prompt_logprobs_json(positions, tokenizer) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, rank, decoded_token}}, None for the
+    first (nothing precedes it)."""
+    if positions is None:
+        return None
+    out = []
+    for entries in positions:
+        if entries is None:
+            out.append(None)
+            continue
+        out.append({tid: {"logprob": _clamp(e.logprob), "rank": e.rank, "decoded_token": _token_text(tokenizer, tid, e)}
+                    for tid, e in entries.items()})
+    return out
+
+
 def chat_logprobs(token_ids: list[int], positions: list, num_top: int, tokenizer) -> list[dict]:
     """`choices[].logprobs.content`: each token with its logprob, bytes and the `num_top` most likely."""
     content = []
     for tid, entries in zip(token_ids, positions):
         chosen = entries.get(tid) if entries else None
         token = _token_text(tokenizer, tid, chosen)
+        limit = len(entries or ()) if num_top == -1 else num_top  # -1: the whole vocabulary
         alternatives = sorted(
-            (e.rank, t, e) for t, e in (entries or {}).items() if e.rank is not None and 1 <= e.rank <= num_top)
+            (e.rank, t, e) for t, e in (entries or {}).items() if e.rank is not None and 1 <= e.rank <= limit)
         top = []
-        for _, t, e in alternatives[:num_top]:
+        for _, t, e in alternatives[:limit]:
             text = _token_text(tokenizer, t, e)
             top.append({"token": text, "logprob": _clamp(e.logprob), "bytes": list(text.encode("utf-8", "replace"))})
         content.append({

@@ -14,9 +14,11 @@ from kvserve.entrypoints.openai.serving_base import (
     SSE_DONE,
     EventStreamResponse,
     ServingBase,
+    before_deadline,
     completion_logprobs,
     engine_error,
     merged,
+    prompt_logprobs_json,
     sse,
     until_disconnect,
     usage,
@@ -46,8 +48,11 @@ class _Prompt:
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_request(req)
+        deadline = self.deadline(raw, req.stream)
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+        if deadline is not None:
+            deadline.request_id = request_id
         items = []
         constraint = await self.constraint(req)
         for i, p in enumerate(prompts):
@@ -59,12 +64,12 @@ class ServingCompletion(ServingBase):
                 fields["prompt_logprobs"] = req.logprobs
             params = self.sampling_params(fields)
             items.append((f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
-        streams = await self.add_requests(items, raw)
+        streams = await self.add_requests(items, raw, deadline)
         created = int(time.time())
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, created, prompts, streams),
+            return EventStreamResponse(self._stream(req, request_id, created, prompts, streams, deadline),
                                        lambda: self.abort_all(streams))
-        await until_disconnect(raw, self._collect(req, prompts, streams), lambda: self.abort_all(streams))
+        await until_disconnect(raw, self._collect(req, prompts, streams), lambda: self.abort_all(streams), deadline)
         return JSONResponse(self._response(req, request_id, created, prompts))
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
@@ -77,11 +82,16 @@ class ServingCompletion(ServingBase):
         for p in raw:
             if isinstance(p, str):
                 ids = await self.encode(p, req.add_special_tokens)
-                prompts.append(_Prompt(p, ids))
+                text = p
             else:
                 self.check_token_ids(p)
-                text = await self.decode(p) if self.tokenizer is not None and req.echo else None
-                prompts.append(_Prompt(text, list(p)))
+                ids, text = list(p), None
+            kept = self.truncate(ids, req.truncate_prompt_tokens)
+            if len(kept) != len(ids):
+                ids, text = kept, None  # the text no longer matches: echo decodes what is kept
+            if text is None and self.tokenizer is not None and req.echo:
+                text = await self.decode(ids)
+            prompts.append(_Prompt(text, ids))
             if not prompts[-1].token_ids:
                 raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
         return prompts
@@ -137,19 +147,23 @@ class ServingCompletion(ServingBase):
                         ids, positions = p.token_ids + ids, list(p.prompt_logprobs) + positions
                     logprobs = completion_logprobs(ids, positions, self.tokenizer)
                 reason, stop_reason = p.finish.get(k, (None, None))
-                choices.append({"index": i * req.n + k, "text": text, "logprobs": logprobs,
-                                "finish_reason": reason, "stop_reason": stop_reason})
+                choice = {"index": i * req.n + k, "text": text, "logprobs": logprobs,
+                          "finish_reason": reason, "stop_reason": stop_reason}
+                if p.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(p.prompt_logprobs, self.tokenizer)
+                choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name,
                 "choices": choices,
                 "usage": usage(num_prompt, num_completion, sum(p.num_preemptions for p in prompts))}
 
-    async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams):
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams,
+                      deadline=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         num_completion = 0
         try:
-            async for i, out in merged(streams):
+            async for i, out in before_deadline(merged(streams), deadline):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
                 p.num_preemptions = getattr(out, "num_preemptions", 0)  # the request's count so far

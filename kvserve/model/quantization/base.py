@@ -28,6 +28,11 @@ class QuantizationConfig:
     def get_quant_method(self, prefix: str) -> LinearMethodBase | None:
         raise NotImplementedError
 
+    def get_moe_method(self, prefix: str):
+        """The method for a MoE layer's stacked routed experts (kvserve/model/moe.py's hook); None: unquantized."""
+        raise ValueError(f"{self.name}: mixture-of-experts layers ({prefix}) cannot be served with {self.name} "
+                         f"weights yet; use an unquantized checkpoint, optionally with --quantization fp8.")
+
     @classmethod
     def from_config(cls, quant_cfg: dict) -> "QuantizationConfig":
         raise NotImplementedError

@@ -10,7 +10,8 @@ Three ways in, one served layout (weight e4m3 [N, K] + per-output-channel float3
 Activations: dynamic per-token scales, or the checkpoint's static per-tensor input_scale.
 
 On CUDA with compute capability >= 8.9 the GEMM is torch._scaled_mm (row-wise scales) on the FP8 tensor
-cores, its activations quantized by one Triton kernel (kvserve/ops/fp8_quant.py); up to
+cores, its activations quantized by one Triton kernel (kvserve/ops/fp8_quant.py), or already by the RMSNorm or
+SiLU*mul kernel that produced them (fused_input_quant: an Fp8Activation arrives instead of a tensor); up to
 triton_fp8_gemm.MAX_ROWS rows (decode) a Triton W8A16 kernel streams the e4m3 weight against unquantized
 activations instead (a static input scale is then unused). Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
 weight and multiplies in the activation dtype: weight-only FP8, activations are not quantized.
@@ -99,6 +100,17 @@ class Fp8Config(QuantizationConfig):
             return None
         return Fp8LinearMethod(self.checkpoint_is_fp8, self.weight_strategy, self.activation_scheme == "static")
 
+    def get_moe_method(self, prefix):
+        if self.skipped(prefix, self.ignored_layers):
+            return None
+        if self.checkpoint_is_fp8:
+            raise ValueError(f"fp8: this checkpoint's mixture-of-experts weights ({prefix}) are stored in fp8, which "
+                             f"kvserve cannot load for experts yet; serve the bf16 checkpoint with --quantization fp8 "
+                             f"(quantizes every expert at load).")
+        from kvserve.model.quantization.fp8_moe import Fp8MoEMethod
+
+        return Fp8MoEMethod()
+
 
 class Fp8LinearMethod(LinearMethodBase):
     def __init__(self, checkpoint_is_fp8: bool, weight_strategy: str = "tensor", static_input: bool = False):
@@ -153,22 +165,51 @@ class Fp8LinearMethod(LinearMethodBase):
     def dequantized_weight(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
 
+    def takes_fp8_input(self, layer, num_rows: int) -> bool:
+        """Whether apply() would quantize an input of num_rows rows per token for torch._scaled_mm (by shape
+        only, as apply chooses): then the kernel producing that input may hand over an Fp8Activation."""
+        from kvserve.model.quantization import triton_fp8_gemm
+
+        return getattr(layer, "fp8_gemm", False) and num_rows > triton_fp8_gemm.MAX_ROWS
+
     def apply(self, layer, x, bias=None):
+        from kvserve.ops import fp8_quant
+
+        if isinstance(x, fp8_quant.Fp8Activation):  # quantized by the kernel that produced it (fused_input_quant)
+            out = self._scaled_mm(layer, x.q, x.scale, x.dtype)
+            return out if bias is None else out + bias
         if not getattr(layer, "fp8_gemm", False):
             return torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
         from kvserve.model.quantization import triton_fp8_gemm
-        from kvserve.ops import fp8_quant
 
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= triton_fp8_gemm.MAX_ROWS:
+        if not self.takes_fp8_input(layer, x2.shape[0]):
             # Decode: bound by reading the weight; stream the e4m3 weight against unquantized activations
             # (chosen by shape only, so a captured CUDA graph always replays the same kernel).
             out = triton_fp8_gemm.w8a16_gemm(x2, layer.weight, layer.weight_scale)
         else:
             # One Triton kernel: quantized rows and their scales (per token, or the static input scale).
             xq, x_scale = fp8_quant.quantize_per_token(x2, layer.input_scale if self.static_input else None)
-            # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale,
-                                   scale_b=layer.weight_scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
+            out = self._scaled_mm(layer, xq, x_scale, x.dtype)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
+
+    @staticmethod
+    def _scaled_mm(layer, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # Row-wise scaled GEMM on the FP8 tensor cores (bf16 out, the row-wise kernels' output type).
+        return torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                                out_dtype=torch.bfloat16).to(dtype)
+
+
+# Off: RMSNorm and SiLU*mul write 16-bit outputs and each FP8 linear quantizes its own input (an A/B knob for
+# benchmarks/gpu_quant.py; the tokens are the same either way).
+FUSE_ACTIVATION_QUANT = True
+
+
+def fused_input_quant(linear, num_rows: int) -> tuple[bool, torch.Tensor | None]:
+    """For the kernel that produces `linear`'s input of num_rows rows: (quantize the output per token for it,
+    the static input scale or None). True only for an FP8 linear on its torch._scaled_mm path."""
+    method = getattr(linear, "quant_method", None)
+    if not FUSE_ACTIVATION_QUANT or not isinstance(method, Fp8LinearMethod) or not method.takes_fp8_input(linear, num_rows):
+        return False, None
+    return True, linear.input_scale if method.static_input else None

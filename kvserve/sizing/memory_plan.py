@@ -13,8 +13,8 @@ import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-GiB = 1 << 30
-MiB = 1 << 20
+from kvserve.units import GiB, MiB, cdiv  # noqa: F401 - re-exported: plan and memory read them from here
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 # What a CUDA context and the libraries outside torch's allocator take on a GPU before the engine loads
 # anything; a plan counts it as "held by others" (the engine measures it).
@@ -22,7 +22,8 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 GRAPH_POOL_MARGIN_BYTES = 64 * MiB
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype values the engine implements (fp8 is stored as e4m3), checked by EngineArgs and here.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
 
@@ -31,15 +32,9 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str | None, model_dtype: str) -> int:
     """'auto' stores K/V in the model's dtype; 'fp8' in one byte."""
     if kv_cache_dtype in (None, "auto"):
         return DTYPE_BYTES[model_dtype]
-    if kv_cache_dtype in _FP8_KV_DTYPES:
+    if kv_cache_dtype in KV_CACHE_DTYPES:
         return 1
-    if kv_cache_dtype in DTYPE_BYTES:
-        return DTYPE_BYTES[kv_cache_dtype]
-    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, fp8, fp8_e4m3, fp8_e5m2.")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}.")
 
 
 # ---- the model's shape on one rank -----------------------------------------------------------------
@@ -60,6 +55,13 @@ class RankShape:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    # Mixture of experts: this stage's sparse layers (the others keep the dense MLP) and one rank's share of them.
+    moe_layers: int = 0
+    num_experts: int = 0  # the router's width (replicated)
+    num_local_experts: int = 0  # all of them split by features, or num_experts / tp whole with expert parallelism
+    moe_intermediate_size: int = 0  # per rank, of each local expert
+    shared_expert_intermediate_size: int = 0  # per rank
+    num_experts_per_tok: int = 0
 
 
 def pipeline_layers(num_layers: int, pp: int) -> list[int]:
@@ -68,7 +70,26 @@ def pipeline_layers(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
-def rank_shapes(cfg, tp: int = 1, pp: int = 1) -> list[RankShape]:
+def _moe_shape(cfg, tp: int, expert_parallel: bool, first_layer: int, num_layers: int) -> dict:
+    """RankShape's MoE fields for the stage holding layers [first_layer, first_layer + num_layers), as
+    kvserve/model/moe.py places experts (the largest rank's share with expert parallelism)."""
+    experts = getattr(cfg, "num_experts", 0)
+    if not experts:
+        return {}
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(first_layer, first_layer + num_layers))
+    if expert_parallel and tp > 1:
+        local, inter = cdiv(experts, tp), cfg.moe_intermediate_size
+    else:
+        if cfg.moe_intermediate_size % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the experts' intermediate size "
+                             f"{cfg.moe_intermediate_size}; use --enable-expert-parallel or a size that divides it.")
+        local, inter = experts, cfg.moe_intermediate_size // tp
+    return dict(moe_layers=moe_layers, num_experts=experts, num_local_experts=local, moe_intermediate_size=inter,
+                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+                num_experts_per_tok=cfg.num_experts_per_tok)
+
+
+def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) -> list[RankShape]:
     """One RankShape per pipeline stage (every tensor-parallel rank of a stage is the same size)."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if tp < 1 or pp < 1:
@@ -97,9 +118,16 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1) -> list[RankShape]:
             tie_word_embeddings=cfg.tie_word_embeddings,
             attention_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
+            **_moe_shape(cfg, tp, expert_parallel, first, n),
         )
-        for i, n in enumerate(pipeline_layers(cfg.num_hidden_layers, pp))
+        for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
     ]
+
+
+def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of each stage."""
+    counts = pipeline_layers(num_layers, pp)
+    return [(sum(counts[:i]), n) for i, n in enumerate(counts)]
 
 
 def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantization: str | None) -> int:
@@ -112,21 +140,32 @@ def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantiz
     return in_features * out_features * dtype_bytes
 
 
+def _mlp_bytes(hidden: int, intermediate: int, dtype_bytes: int, quantization: str | None) -> int:
+    """gate_up and down of one MLP (or one expert)."""
+    return (_linear_bytes(hidden, 2 * intermediate, dtype_bytes, quantization)
+            + _linear_bytes(intermediate, hidden, dtype_bytes, quantization))
+
+
 def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = None) -> int:
     """Parameters of one rank in memory. Quantization applies to the decoder's linear layers; embeddings,
     lm_head and norms stay in the model dtype (as in vLLM)."""
     h, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    per_layer = (
+    attention = (
         _linear_bytes(h, q + 2 * kv, dtype_bytes, quantization)
         + _linear_bytes(q, h, dtype_bytes, quantization)
-        + _linear_bytes(h, 2 * shape.intermediate_size, dtype_bytes, quantization)
-        + _linear_bytes(shape.intermediate_size, h, dtype_bytes, quantization)
         + 2 * h * dtype_bytes  # input and post-attention norms
         + ((q + 2 * kv) * dtype_bytes if shape.attention_bias else 0)
         + (2 * hd * dtype_bytes if shape.qk_norm else 0)
     )
-    total = shape.num_layers * per_layer
+    total = shape.num_layers * attention + (shape.num_layers - shape.moe_layers) * _mlp_bytes(
+        h, shape.intermediate_size, dtype_bytes, quantization)
+    if shape.moe_layers:
+        moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, quantization)
+        moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
+        if shape.shared_expert_intermediate_size:
+            moe += _mlp_bytes(h, shape.shared_expert_intermediate_size, dtype_bytes, quantization) + h * dtype_bytes
+        total += shape.moe_layers * moe
     vocab_rows = shape.vocab_size * h * dtype_bytes
     if shape.has_embedding:
         total += vocab_rows
@@ -157,7 +196,9 @@ def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtyp
     scratch_kv = num_seqs * blocks_per_seq * block_size * kv_bytes_per_token(shape, kv_dtype_bytes)
     h, i = shape.hidden_size, shape.intermediate_size
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h)) * dtype_bytes
+    # A MoE layer holds, per (token, expert) pair, its gate_up, activated and down rows.
+    moe = shape.num_experts_per_tok * (3 * shape.moe_intermediate_size + h) if shape.moe_layers else 0
+    layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h, moe)) * dtype_bytes
     # logits in the model dtype, in fp32, then probabilities, sorted values and int64 indices
     sampler = num_seqs * shape.vocab_size * (dtype_bytes + 4 * 3 + 8) if shape.has_lm_head else 0
     return scratch_kv + max(layer, sampler + num_tokens * h * dtype_bytes)
@@ -199,8 +240,21 @@ def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, b
     return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
-    return num_blocks * block_size / max_model_len
+def request_kv_tokens(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> int:
+    """The most KV tokens (whole blocks) one request holds at once: all of max_model_len, or, when every
+    layer has a sliding window (the KV cache frees blocks behind it), its window plus one step's chunk
+    plus a partly filled block at each end."""
+    full = cdiv(max_model_len, block_size) * block_size
+    if sliding_window is None:
+        return full
+    chunk = min(max_num_batched_tokens or max_model_len, max_model_len)
+    return min(full, (cdiv(sliding_window - 1 + chunk, block_size) + 1) * block_size)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None) -> float:
+    """Requests of max_model_len tokens the cache holds at once (decoding: a windowed one holds its window)."""
+    return num_blocks * block_size / request_kv_tokens(max_model_len, block_size, sliding_window, 1)
 
 
 # ---- checkpoint sizes (exact, from headers only) -----------------------------------------------------
@@ -265,6 +319,7 @@ class PlanInputs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     quantization: str | None = None
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
@@ -301,7 +356,8 @@ class MemoryPlan:
 
     @property
     def max_concurrency(self) -> float:
-        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len)
+        return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len,
+                               getattr(self.inputs.model_config, "kv_cache_window", None))
 
     @property
     def weights_fit(self) -> bool:
@@ -309,7 +365,10 @@ class MemoryPlan:
 
     @property
     def length_fits(self) -> bool:
-        return self.kv_tokens >= self.inputs.max_model_len
+        p = self.inputs
+        return self.kv_tokens >= request_kv_tokens(p.max_model_len, p.block_size,
+                                                   getattr(p.model_config, "kv_cache_window", None),
+                                                   p.max_num_batched_tokens)
 
     def to_dict(self) -> dict:
         return {
@@ -322,6 +381,8 @@ class MemoryPlan:
             "max_concurrency": self.max_concurrency,
             "max_model_len": self.inputs.max_model_len,
             "weights_source": self.weights_source,
+            "num_params": self.inputs.model_config.num_params(),
+            "active_params_per_token": self.inputs.model_config.num_active_params(),
         }
 
 
@@ -329,7 +390,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
     cfg = p.model_config
     dtype_bytes = DTYPE_BYTES[p.dtype]
     kv_dtype = kv_cache_dtype_bytes(p.kv_cache_dtype, p.dtype)
-    shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size)
+    shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
     single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
     budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
     ranks = []

@@ -1,0 +1,218 @@
+"""Speculative decoding on one GPU: correctness against runs without it, and what it buys.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_spec.py [--out DIR] [--quick]
+
+(a) SmolLM2-135M (the embedded default model, real weights) with `{"method": "ngram"}` on prompt-lookup
+    work (rewrite a passage, edit code): batch-1 tokens/s with and without, mean acceptance length,
+    identical greedy outputs.
+(b) Llama-3.1-8B shape (W1's config), dummy bf16 weights, drafts from a test-only proposer that offers the
+    next k tokens of a reference run without speculation, each replaced by a wrong token with probability
+    1 - p: verify-step time at k = 1..8 against a plain decode step (p = 1, all accepted), batch-1 speed at
+    p = 1, 0.8, 0.5 and 0 (so the speedup at each acceptance rate is known), identical tokens throughout.
+(c) The same 8B shape at batch 64 and 256 (W1's first requests, outputs capped at 256 tokens) with
+    `{"method": "ngram"}` on and off: on must be >= 0.97x of off (the draft budget turns speculation down).
+A table is printed last; everything goes to DIR/gpu_spec.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_w1 import W1_CONFIG, batch1_request, w1_requests, write_config  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+PASSAGE = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+    "members agreed that the library would receive additional funds for new books, that the park would be "
+    "cleaned twice a month instead of once, and that the town hall roof would be repaired before winter. "
+    "The chair thanked everyone for their patience and asked the secretary to send the minutes to all "
+    "residents by the end of the week."
+)
+CODE = '''def moving_average(values, window):
+    result = []
+    for i in range(len(values)):
+        start = max(0, i - window + 1)
+        chunk = values[start:i + 1]
+        result.append(sum(chunk) / len(chunk))
+    return result
+
+
+def normalise(values):
+    low = min(values)
+    high = max(values)
+    return [(v - low) / (high - low) for v in values]
+'''
+LOOKUP_TASKS = [
+    f"Rewrite the following passage in the past perfect tense, keeping every sentence:\n\n{PASSAGE}",
+    f"Repeat the following passage word for word, then say how many sentences it has:\n\n{PASSAGE}",
+    f"Add type hints and a docstring to each function below. Return the whole file.\n\n{CODE}",
+    f"Rename the variable `values` to `xs` everywhere in this code and return the full code:\n\n{CODE}",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+def _timed_generate(llm, prompts, params):
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def part_a(quick: bool) -> dict:
+    """SmolLM2 + ngram, batch 1, one prompt at a time."""
+    params = SamplingParams(max_tokens=128 if quick else 256, temperature=0)
+    rows = {}
+    for name, spec in (("off", None), ("ngram", NGRAM)):
+        llm = LLM(**({"speculative_config": spec} if spec else {}))
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True) for t in LOOKUP_TASKS]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+        drafter = llm.llm_engine.drafter
+        before = drafter.totals.copy() if drafter else None
+        tokens, elapsed, n_out = [], 0.0, 0
+        for p in prompts:
+            outs, dt = _timed_generate(llm, [p], params)
+            tokens += _tokens(outs)
+            elapsed += dt
+            n_out += len(outs[0].outputs[0].token_ids)
+        accept = drafter.totals.since(before).mean_acceptance_length if drafter else None
+        rows[name] = {"tok_s": n_out / elapsed, "tokens": tokens, "acceptance_length": accept}
+        llm.llm_engine.shutdown()
+        del llm
+    return {"off_tok_s": rows["off"]["tok_s"], "ngram_tok_s": rows["ngram"]["tok_s"],
+            "speedup": rows["ngram"]["tok_s"] / rows["off"]["tok_s"],
+            "acceptance_length": rows["ngram"]["acceptance_length"],
+            "identical": rows["ngram"]["tokens"] == rows["off"]["tokens"]}
+
+
+class ReferenceProposer:
+    """Offers the next k tokens of a reference run (by prompt), each wrong with probability 1 - p."""
+
+    def __init__(self, reference: dict, k: int, p: float, vocab: int, seed: int = 0):
+        self.reference, self.k, self.p, self.vocab = reference, k, p, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, requests):
+        drafts = {}
+        for r in requests:
+            ref = self.reference[tuple(r.prompt_token_ids)]
+            n = len(r.output_token_ids)
+            draft = []
+            for pos in range(n, n + self.k):
+                right = ref[pos] if pos < len(ref) else 100
+                draft.append(right if self.rng.random() < self.p else (right + 1) % self.vocab)
+            drafts[r.request_id] = draft
+        return drafts
+
+
+def _steps_and_time(llm, prompts, params):
+    engine = llm.llm_engine
+    steps0 = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    outs, dt = _timed_generate(llm, prompts, params)
+    drafted = engine.scheduler.num_draft_tokens - steps0[0]
+    accepted = engine.scheduler.num_accepted_tokens - steps0[1]
+    return outs, dt, drafted, accepted
+
+
+def part_b(path: str, quick: bool) -> dict:
+    prompt, out_len = batch1_request()
+    out_len = 128 if quick else out_len
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+              max_num_seqs=256)
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.vocab_size
+    inputs = [{"prompt_token_ids": prompt}]
+    _timed_generate(llm, inputs, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
+    _timed_generate(llm, inputs, params)  # the first full-length run also captures graphs: not timed
+    ref_outs, plain_dt = _timed_generate(llm, inputs, params)
+    reference = {tuple(prompt): _tokens(ref_outs)[0]}
+    plain_step_ms = plain_dt / out_len * 1e3
+    result = {"plain_tok_s": out_len / plain_dt, "plain_step_ms": plain_step_ms, "verify": [], "acceptance": []}
+    for k in range(1, 9):
+        engine.set_proposer(ReferenceProposer(reference, k, 1.0, vocab))
+        outs, dt, drafted, accepted = _steps_and_time(llm, inputs, params)
+        steps = out_len - accepted  # each step yields one token plus the drafts it accepted
+        result["verify"].append({"k": k, "step_ms": dt / steps * 1e3, "vs_decode": dt / steps * 1e3 / plain_step_ms,
+                                 "tok_s": out_len / dt, "identical": _tokens(outs)[0] == reference[tuple(prompt)]})
+    k = 4
+    for p in (1.0, 0.8, 0.5, 0.0):
+        engine.set_proposer(ReferenceProposer(reference, k, p, vocab, seed=1))
+        outs, dt, drafted, accepted = _steps_and_time(llm, inputs, params)
+        result["acceptance"].append({"k": k, "p_right": p, "accept_rate": accepted / max(drafted, 1),
+                                     "tok_s": out_len / dt, "speedup": plain_dt / dt,
+                                     "identical": _tokens(outs)[0] == reference[tuple(prompt)]})
+    engine.set_proposer(None)
+    engine.shutdown()
+    return result
+
+
+def part_c(path: str, quick: bool) -> dict:
+    reqs = w1_requests()
+    result = {}
+    for batch in (64, 256):
+        chosen = reqs[:batch]
+        prompts = [{"prompt_token_ids": p} for p, _ in chosen]
+        params = [SamplingParams(max_tokens=min(o, 128 if quick else 256), temperature=0, ignore_eos=True)
+                  for _, o in chosen]
+        row = {}
+        for name, spec in (("off", None), ("ngram", NGRAM)):
+            llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+                      max_num_seqs=256,
+                      **({"speculative_config": spec} if spec else {}))
+            _timed_generate(llm, prompts[:4], [SamplingParams(max_tokens=8, temperature=0)] * 4)  # warm-up
+            outs, dt = _timed_generate(llm, prompts, params)
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            drafter = llm.llm_engine.drafter
+            row[name] = {"tok_s": n_out / dt, "tokens": _tokens(outs),
+                         "drafts": drafter.totals.num_draft_tokens if drafter else 0}
+            llm.llm_engine.shutdown()
+            del llm
+        result[batch] = {"off_tok_s": row["off"]["tok_s"], "ngram_tok_s": row["ngram"]["tok_s"],
+                         "ratio": row["ngram"]["tok_s"] / row["off"]["tok_s"], "draft_tokens": row["ngram"]["drafts"],
+                         "identical": row["ngram"]["tokens"] == row["off"]["tokens"]}
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = write_config(W1_CONFIG)
+    results = {"a_smollm2_ngram": part_a(args.quick), "b_8b_verify": part_b(path, args.quick),
+               "c_8b_batch": part_c(path, args.quick)}
+    with open(os.path.join(args.out, "gpu_spec.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    a, b, c = results["a_smollm2_ngram"], results["b_8b_verify"], results["c_8b_batch"]
+    print("\n| measure | value | identical tokens |")
+    print("|---|---|---|")
+    print(f"| (a) SmolLM2 batch-1, off / ngram tok/s | {a['off_tok_s']:.1f} / {a['ngram_tok_s']:.1f} "
+          f"({a['speedup']:.2f}x), acceptance length {a['acceptance_length'] or 0:.2f} | {a['identical']} |")
+    print(f"| (b) 8B plain decode step | {b['plain_step_ms']:.2f} ms ({b['plain_tok_s']:.1f} tok/s) | |")
+    for v in b["verify"]:
+        print(f"| (b) 8B verify step k={v['k']} (all accepted) | {v['step_ms']:.2f} ms = {v['vs_decode']:.2f}x "
+              f"decode; {v['tok_s']:.1f} tok/s | {v['identical']} |")
+    for r in b["acceptance"]:
+        print(f"| (b) 8B batch-1 k={r['k']}, drafts right p={r['p_right']} (accepted {r['accept_rate']:.0%}) | "
+              f"{r['tok_s']:.1f} tok/s = {r['speedup']:.2f}x | {r['identical']} |")
+    for batch, r in c.items():
+        print(f"| (c) 8B batch {batch}, off / ngram tok/s | {r['off_tok_s']:.0f} / {r['ngram_tok_s']:.0f} = "
+              f"{r['ratio']:.3f}x (>= 0.97 required; {r['draft_tokens']} draft tokens) | {r['identical']} |")
+
+
+if __name__ == "__main__":
+    main()

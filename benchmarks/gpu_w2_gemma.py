@@ -1,0 +1,138 @@
+"""W2 on the GPU: a Gemma-3-12B-shaped text model (dummy bf16 weights, 40 layers with a 1024-token window,
+8 full layers) on 64 long prompts (6,000-15,000 tokens, 128-512 outputs; kvserve/bench/datasets.py).
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_w2_gemma.py [--out DIR] [--quick]
+
+1. kernels: the windowed / soft-capped Triton attention against the dense definition and the torch
+   backend (pytest tests/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests included).
+2. parity: a tiny random Gemma 2 and Gemma 3 (windows shorter than the prompts), fp32 on the GPU:
+   the triton backend gives the torch backend's greedy tokens.
+3. W2: seconds, output tok/s and total tok/s, with the KV cache size and preemptions.
+A table is printed last; results go to DIR/gpu_w2_gemma.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def kernel_tests() -> str:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_triton_attention_window.py"], capture_output=True, text=True, check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    print("\n".join(lines[-15:]))
+    return lines[-1] if lines else f"rc {proc.returncode}"
+
+
+def tiny_parity() -> dict:
+    import transformers
+
+    from kvserve import LLM, SamplingParams
+
+    configs = {
+        "gemma2": transformers.Gemma2Config(
+            vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, sliding_window=64, query_pre_attn_scalar=32,
+            attn_logit_softcapping=5.0, final_logit_softcapping=10.0, max_position_embeddings=1024),
+        "gemma3": transformers.Gemma3TextConfig(
+            vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, sliding_window=64, query_pre_attn_scalar=32,
+            sliding_window_pattern=2, max_position_embeddings=1024),
+    }
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 4096) for _ in range(rng.randint(100, 400))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        path = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        tokens = {}
+        for backend in ("triton", "torch"):
+            llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, attention_backend=backend,
+                      gpu_memory_utilization=0.2, max_num_batched_tokens=128, max_num_seqs=16)
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens[backend] = [r.outputs[0].token_ids for r in res]
+            llm.llm_engine.shutdown()
+            del llm
+            gc.collect()  # the engine's memory goes back before the next one sizes its KV cache
+            torch.cuda.empty_cache()
+        same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"]))
+        out[name] = f"{same}/{len(prompts)}"
+        print(f"parity {name}: triton == torch backend greedy on {out[name]} prompts")
+    return out
+
+
+def run_w2(quick: bool, max_num_batched_tokens: int) -> dict:
+    from kvserve import LLM, SamplingParams
+    from kvserve.bench.datasets import W2_MAX_MODEL_LEN, w2_requests, write_w2_config
+
+    reqs = w2_requests(16 if quick else None)
+    path = write_w2_config()
+    t0 = time.perf_counter()
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=W2_MAX_MODEL_LEN,
+              max_num_batched_tokens=max_num_batched_tokens)
+    init_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    prompts = [r.engine_prompt() for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(r.prompt_len for r in reqs)
+    assert n_out == sum(r.expected_output_len for r in reqs)
+    stats = engine.get_stats()
+    return {
+        "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 2),
+        "output_tok_s": round(n_out / seconds, 1), "total_tok_s": round((n_in + n_out) / seconds, 1),
+        "kv_cache_tokens": engine.num_kv_blocks * engine.config.args.block_size,
+        "preemptions": stats.num_preemptions, "init_s": round(init_s, 1),
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="W2's first 16 requests only")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs CUDA"
+    results = {"device": torch.cuda.get_device_name()}
+    if not args.skip_checks:
+        results["kernel_tests"] = kernel_tests()
+        results["parity"] = tiny_parity()
+    results["w2"] = run_w2(args.quick, args.max_num_batched_tokens)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_w2_gemma.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    w2 = results["w2"]
+    print(f"\n| W2 Gemma-3-12B shape, {results['device']} | value |\n|---|---|")
+    if "kernel_tests" in results:
+        print(f"| windowed/soft-capped Triton attention vs reference | {results['kernel_tests']} |")
+        for name, same in results["parity"].items():
+            print(f"| {name} tiny fp32: triton == torch backend greedy | {same} |")
+    print(f"| requests / prompt / output tokens | {w2['requests']} / {w2['prompt_tokens']:,} / {w2['output_tokens']:,} |")
+    print(f"| seconds | {w2['seconds']} |")
+    print(f"| output tok/s | {w2['output_tok_s']:,} |")
+    print(f"| total (prompt + output) tok/s | {w2['total_tok_s']:,} |")
+    print(f"| KV cache tokens / preemptions | {w2['kv_cache_tokens']:,} / {w2['preemptions']} |")
+
+
+if __name__ == "__main__":
+    main()

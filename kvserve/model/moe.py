@@ -1,0 +1,141 @@
+"""The sparse mixture-of-experts block that replaces a decoder layer's MLP (Qwen2-MoE, Qwen3-MoE, Mixtral).
+
+router (replicated) -> softmax over all experts -> top-k (renormalised where the model does it) -> routed
+experts (kvserve/ops/fused_moe.py) [+ a shared expert behind a sigmoid gate] -> one all-reduce.
+
+Tensor parallelism as vLLM splits it: every rank holds every expert's slice of the intermediate features
+(w13 rows, w2 columns), so each rank's output is a partial sum. With --enable-expert-parallel each rank holds
+whole experts instead (vLLM's linear placement: consecutive experts, the first num_experts % tp ranks one
+more) and contributes the pairs routed to them; the same all-reduce completes the sum either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.distributed.parallel_state import get_parallel_state, tensor_parallel_all_reduce
+from kvserve.model.layers import ReplicatedLinear, _copy_into, use_fused_kernels
+from kvserve.model.model_config import ModelConfig
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights float32 [T, k], expert ids [T, k]): softmax in fp32, then top-k, as HF's routers compute them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_placement(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """(first expert, number of experts) on one expert-parallel rank."""
+    base, extra = divmod(num_experts, ep_size)
+    return ep_rank * base + min(ep_rank, extra), base + (1 if ep_rank < extra else 0)
+
+
+class UnquantizedMoEMethod:
+    """w13 [E_local, 2 * I_rank, H] (gate rows, then up rows), w2 [E_local, H, I_rank] in the serving dtype."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=params_dtype),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=params_dtype),
+                                       requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def scales(self, layer: nn.Module):
+        return None, None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor):
+        w13_scale, w2_scale = self.scales(layer)
+        if use_fused_kernels(x):
+            from kvserve.ops.fused_moe import fused_moe_triton
+
+            return fused_moe_triton(x, layer.w13_weight, layer.w2_weight, weights, local_ids, w13_scale, w2_scale,
+                                    all_experts_local=layer.expert_map is None)
+        from kvserve.ops.fused_moe import fused_moe_torch
+
+        return fused_moe_torch(x, layer.w13_weight, layer.w2_weight, weights, local_ids, w13_scale, w2_scale)
+
+
+class FusedMoE(nn.Module):
+    """This rank's routed experts, stacked; forward returns this rank's partial sum (not yet all-reduced)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quant_method=None, prefix: str = ""):
+        super().__init__()
+        ps = get_parallel_state()
+        if ps.expert_parallel and ps.tp_size > 1:
+            if num_experts < ps.tp_size:
+                raise ValueError(f"--enable-expert-parallel: {num_experts} experts cannot be placed on "
+                                 f"--tensor-parallel-size {ps.tp_size} ranks (every rank needs one); drop "
+                                 f"--enable-expert-parallel to split each expert instead.")
+            self.first_expert, self.num_local_experts = expert_placement(num_experts, ps.tp_size, ps.tp_rank)
+            self.tp_size, self.tp_rank = 1, 0  # each local expert whole
+            expert_map = torch.full((num_experts,), -1, dtype=torch.long)
+            expert_map[self.first_expert:self.first_expert + self.num_local_experts] = torch.arange(
+                self.num_local_experts)
+            self.register_buffer("expert_map", expert_map, persistent=False)
+        else:
+            if intermediate % ps.tp_size:
+                raise ValueError(f"{prefix}: the experts' intermediate size {intermediate} is not divisible by "
+                                 f"--tensor-parallel-size {ps.tp_size}; use a size that divides it, or "
+                                 f"--enable-expert-parallel.")
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.tp_size, self.tp_rank = ps.tp_size, ps.tp_rank
+            self.expert_map = None
+        self.num_experts = num_experts
+        self.intermediate = intermediate // self.tp_size  # per rank
+        self.quant_method = quant_method or UnquantizedMoEMethod()
+        self.quant_method.create_weights(self, self.num_local_experts, hidden, self.intermediate,
+                                         torch.get_default_dtype())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local_ids = ids if self.expert_map is None else self.expert_map[ids]
+        return self.quant_method.apply(self, x, weights, local_ids)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard: str, expert: int) -> bool:
+        """One expert's gate_proj / up_proj / down_proj checkpoint tensor (shard "gate", "up" or "down");
+        False when that expert lives on another rank."""
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return False
+        size = self.intermediate
+        if shard == "down":  # [H, I]: this rank's columns
+            _copy_into(param.data[local], loaded.narrow(1, self.tp_rank * size, size), f"expert {expert} {shard}")
+        else:  # [I, H]: this rank's rows, into the gate or the up half
+            target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
+            _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
+        return True
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        # The router stays unquantized (as in vLLM): its logits decide which experts run.
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        method = quant_config.get_moe_method(f"{prefix}.experts") if quant_config is not None else None
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method,
+                                f"{prefix}.experts")
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            from kvserve.model.llama import MLP
+
+            # Its down projection's partial sum joins the experts' before the block's one all-reduce.
+            self.shared_expert = MLP(cfg, quant_config, f"{prefix}.shared_expert",
+                                     intermediate_size=cfg.shared_expert_intermediate_size, reduce_results=False)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
+        self.tp_size = get_parallel_state().tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return tensor_parallel_all_reduce(out) if self.tp_size > 1 else out

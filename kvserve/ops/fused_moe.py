@@ -1,0 +1,259 @@
+"""Routed experts of a MoE layer: out[t] = sum_k w[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, k].
+
+Two implementations of the same function:
+* `fused_moe_torch`: the reference (CPU and tests), one pair of GEMMs per expert that has tokens, summed in
+  the order HF transformers' eager experts sum them.
+* `fused_moe_triton`: grouped GEMMs in Triton. The (token, k) pairs are sorted by expert and each expert's run
+  is padded to the GEMM's BLOCK_M (`align_block_size`), so every block of rows belongs to one expert; one kernel
+  computes gate_up for every pair, one SiLU-and-mul, one kernel the down projection (scaled by the routing
+  weight), then the k partial rows of a token are summed. Every launch size depends only on the token count,
+  never on the routing, so the whole layer can be captured in a CUDA graph.
+
+Expert weights are stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]. FP8 experts hold e4m3
+weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [E, H]); the Triton kernel
+streams them (weight-only: activations stay in the model dtype), the reference dequantizes.
+Experts not on this rank (expert parallelism) have id -1 in `local_ids` and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e][:, None]).to(dtype)
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H]; topk_weights [T, K] (float32); local_ids [T, K] (this rank's expert index, -1: elsewhere)."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for e in torch.unique(local_ids).tolist():
+        if e < 0:
+            continue
+        token, slot = torch.where(local_ids == e)
+        gate_up = F.linear(x[token], _dequantized(w13, w13_scale, e, x.dtype))
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(hidden, _dequantized(w2, w2_scale, e, x.dtype))
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+def align_block_size(local_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the T*K (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Returns (sorted_pairs [P + E * (block_m - 1)] int32: pair index, or P for padding; block_expert [blocks]
+    int32: the expert of each block of block_m rows, -1 past the end; num_rows [1] int32: rows in use). Sizes
+    depend on P and E only (graph-safe: no host sync). Pairs with id -1 are left out."""
+    flat = local_ids.reshape(-1).long()
+    pairs = flat.numel()
+    bucket = torch.where(flat < 0, num_experts, flat)  # bucket E: experts on other ranks, dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = torch.cat([ends - padded, ends.new_zeros(1)])
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    first_pair = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(pairs, device=flat.device) - first_pair[sorted_bucket]
+    capacity = pairs + num_experts * (block_m - 1)
+    dest = torch.where(sorted_bucket < num_experts, starts[sorted_bucket] + rank_in_expert, capacity)
+    sorted_pairs = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    num_blocks = (capacity + block_m - 1) // block_m
+    block_start = torch.arange(num_blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:capacity], block_expert, ends[-1:].to(torch.int32)
+
+
+_align_kernel = None
+
+
+def _get_align_kernel():
+    global _align_kernel
+    if _align_kernel is not None:
+        return _align_kernel
+    import triton
+    import triton.language as tl
+
+    # Sizes that change with every step's token count are not specialised on (no recompiles mid-run).
+    @triton.jit(do_not_specialize=["P", "capacity", "num_blocks"])
+    def moe_align(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, capacity, num_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+        """align_block_size in one program: count pairs per expert (atomics), each expert's padded start
+        (a cumsum), then every pair takes the next row of its expert (atomics: the order inside an expert's
+        run varies, which changes no result, since every row is computed and written on its own)."""
+        e = tl.arange(0, BLOCK_E)
+        tl.store(cursor_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e < E)
+        for start in range(0, capacity, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
+        tl.debug_barrier()
+        for start in range(0, P, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+            tl.atomic_add(cursor_ptr + ids, 1, mask=(offs < P) & (ids >= 0))
+        tl.debug_barrier()
+        counts = tl.atomic_add(cursor_ptr + e, 0, mask=e < E)  # read where the atomics landed
+        counts = tl.where(e < E, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        tl.debug_barrier()
+        tl.store(cursor_ptr + e, ends - padded, mask=e < E)
+        tl.debug_barrier()
+        for start in range(0, P, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+            valid = (offs < P) & (ids >= 0)
+            row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+            tl.store(sorted_ptr + row, offs, mask=valid)
+        total = tl.sum(padded, axis=0)
+        for start in range(0, num_blocks, BLOCKS_CHUNK):
+            b = start + tl.arange(0, BLOCKS_CHUNK)
+            first_row = b * BLOCK_M
+            # Experts with padded zero-width runs end where the next one starts: count the ends at or before.
+            expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
+        tl.store(num_rows_ptr, total)
+
+    _align_kernel = moe_align
+    return _align_kernel
+
+
+def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: int):
+    """align_block_size in one Triton launch (the torch version takes ~30 small kernels per layer); the same
+    outputs except the order of pairs inside each expert's run."""
+    import triton
+
+    flat = local_ids.reshape(-1).to(torch.int32)
+    pairs = flat.numel()
+    capacity = pairs + num_experts * (block_m - 1)
+    num_blocks = triton.cdiv(capacity, block_m)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=flat.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    block_e = triton.next_power_of_2(num_experts)
+    _get_align_kernel()[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts, capacity,
+                              num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024,
+                              BLOCKS_CHUNK=max(16, 4096 // block_e), num_warps=8)
+    return sorted_pairs, block_expert, num_rows
+
+
+def _gemm_config(pairs: int, num_experts: int) -> dict:
+    """Tile sizes by rows per expert: small (decode) steps take short row blocks, so padding costs little."""
+    if pairs <= num_experts * 4:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    if pairs <= num_experts * 32:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+_kernel = None
+
+
+def _get_kernel():
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["num_pairs", "capacity"])
+    def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, b_scale_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
+                         num_rows_ptr, N, K, num_pairs, capacity,
+                         stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         stride_se, stride_sn,
+                         A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+        """C[pair, :] = A[row of pair] @ B[expert]^T (* scale) (* routing weight), one block of sorted pairs
+        (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs share a token's row of x (the
+        gate_up GEMM), or each pair has its own row (the down GEMM reads the activated pairs)."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(capacity, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # Grouped ordering: GROUP_M row blocks share each B tile while it is in L2.
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % group_m)
+        pid_n = (pid % group) // group_m
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+        pair_mask = pair < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + (pair[:, None] // A_ROWS_PER_PAIR) * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            acc += tl.dot(a, b.to(a.dtype))
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if HAS_SCALE:
+            acc *= tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
+        if MUL_WEIGHT:
+            acc *= tl.load(weights_ptr + pair, mask=pair_mask, other=0.0)[:, None]
+        c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+    _kernel = moe_grouped_gemm
+    return _kernel
+
+
+def _grouped_gemm(a, b, b_scale, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg):
+    import triton
+
+    num_pairs = c.shape[0]
+    n, k = b.shape[1], b.shape[2]
+    capacity = sorted_pairs.numel()
+    cfg = dict(cfg)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(capacity, block_m) * triton.cdiv(n, block_n),)
+    scale = b_scale if b_scale is not None else b  # unused without HAS_SCALE
+    _get_kernel()[grid](
+        a, b, c, scale, weights if weights is not None else c, sorted_pairs, block_expert, num_rows,
+        n, k, num_pairs, capacity,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        scale.stride(0) if b_scale is not None else 0, scale.stride(1) if b_scale is not None else 0,
+        A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None,
+        **cfg,
+    )
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None, all_experts_local: bool = True) -> torch.Tensor:
+    """Same contract as fused_moe_torch. all_experts_local=False (expert parallelism): pairs routed elsewhere
+    leave their rows zero."""
+    tokens, top_k = local_ids.shape
+    num_experts, inter = w2.shape[0], w2.shape[-1]
+    pairs = tokens * top_k
+    cfg = _gemm_config(pairs, num_experts)
+    sorted_pairs, block_expert, num_rows = align_block_size_triton(local_ids, num_experts, cfg["BLOCK_M"])
+    # Rows of pairs routed to other ranks are never written: zeros, so the sum below reads nothing stale.
+    alloc = torch.empty if all_experts_local else torch.zeros
+    gate_up = alloc(pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, w13_scale, gate_up, None, sorted_pairs, block_expert, num_rows, top_k, cfg)
+    from kvserve.ops.fused_kernels import silu_and_mul
+
+    hidden = silu_and_mul(gate_up)
+    down = alloc(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _grouped_gemm(hidden, w2, w2_scale, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg)
+    return down.view(tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,53 @@
+"""The engine's speculative-decoding owner: the configured proposer, sized each step by the draft budget,
+and the acceptance it measured (for the budget, /metrics and the log line). Pure Python: it runs in the
+step loop, after each update, on the host."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvserve.spec_decode.draft_budget import BudgetChoice, DraftBudget
+from kvserve.spec_decode.ngram_proposer import NgramProposer
+from kvserve.speculative_config import SpeculativeConfig
+from kvserve.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger("kvserve.spec_decode")
+
+# Tokens per step past which a step's GEMMs stop being bound by reading the weights: on a GPU a decode
+# step costs about the same up to ~128 tokens; on a CPU the arithmetic dominates after a few.
+SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
+# Gain a step with drafts must promise: on CUDA drafting steps also give up async scheduling's overlap of
+# host work with the GPU (steps run one at a time), a few percent at large batches.
+MIN_GAIN = {"cuda": 1.08, "cpu": 1.03}
+
+
+class Drafter:
+    def __init__(self, spec: SpeculativeConfig, device_type: str):
+        if spec.method != "ngram":
+            raise ValueError(f"--speculative-config: method {spec.method} has no proposer yet")
+        self.spec = spec
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.budget = DraftBudget(spec.num_speculative_tokens,
+                                  saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]),
+                                  min_gain=MIN_GAIN.get(device_type, MIN_GAIN["cuda"]))
+        self.totals = SpecDecodeStats()  # since start: /metrics counters and the log line take differences
+        self.last_choice = BudgetChoice(spec.num_speculative_tokens, "on")
+
+    def decide(self, batch_size: int) -> BudgetChoice:
+        """Once per step: the draft tokens per request for the coming steps of `batch_size` requests."""
+        choice = self.budget.choose(batch_size)
+        if choice.reason != self.last_choice.reason:
+            logger.info("speculative decoding: %d draft tokens per request (%s; %d running; %s)",
+                        choice.num_draft_tokens, choice.reason, batch_size, self.budget.describe())
+        self.last_choice = choice
+        return choice
+
+    def propose(self, requests: Sequence) -> dict[str, list[int]]:
+        k = self.last_choice.num_draft_tokens
+        return self.proposer.propose(requests, k) if k else {}
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verify result."""
+        self.budget.record(num_draft_tokens, num_accepted)
+        self.totals.observe(num_draft_tokens, num_accepted)

@@ -1,0 +1,233 @@
+"""The worker's persistent batch: the one owner of each live request's worker-side state.
+
+Step messages (core/sched_output.py) are applied here, whichever executor delivered them: a request's
+prompt, sampling parameters and output history, its row of block ids, its seeded generator, and the
+last ids this rank sampled (kept on the device: with async scheduling the next step's placeholders are
+filled from them). From that state `layout()` builds one StepLayout, the host arrays that both the eager
+forward and the CUDA-graph replays read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.core.sched_output import PLACEHOLDER_TOKEN_ID, StepMessage
+
+
+class BlockTables:
+    """Every running request's block ids in one persistent numpy array (a row per request), so a step
+    gathers its table with one fancy index instead of rebuilding it from Python lists."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
+        self.lengths = np.zeros(max_rows, dtype=np.int64)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    def add(self, rid: str, block_ids: list[int]) -> None:
+        if not self.free_rows:  # more live requests than max_num_seqs (possible only transiently)
+            grow = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self.free_rows = list(range(2 * grow - 1, grow - 1, -1))
+        row = self.free_rows.pop()
+        self.rows[rid] = row
+        self.lengths[row] = 0
+        self.append(rid, block_ids)
+
+    def append(self, rid: str, block_ids: list[int]) -> None:
+        row = self.rows[rid]
+        n = int(self.lengths[row])
+        self.table[row, n:n + len(block_ids)] = block_ids
+        self.lengths[row] = n + len(block_ids)
+
+    def trim(self, rid: str, num_blocks: int) -> None:
+        """Keeps the first `num_blocks` of a row (the scheduler freed the rest: rejected drafts' slots)."""
+        row = self.rows.get(rid)
+        if row is not None:
+            self.lengths[row] = min(int(self.lengths[row]), num_blocks)
+
+    def release(self, rid: str) -> None:
+        row = self.rows.pop(rid, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def gather(self, rids: list[str]) -> np.ndarray:
+        rows = np.fromiter((self.rows[r] for r in rids), dtype=np.int64, count=len(rids))
+        return self.table[rows, : int(self.lengths[rows].max())]
+
+
+class RequestState:
+    """One request as this worker knows it; the per-step fields describe its chunk in the current step."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids", "adapter_id",
+                 "start_pos", "token_ids", "spec_token_ids", "needs_sample", "output_len")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params, output_token_ids: list[int],
+                 adapter_id=None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.output_token_ids = output_token_ids
+        self.adapter_id = adapter_id
+        self.start_pos = 0
+        self.token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.needs_sample = False
+        self.output_len = 0
+
+    def schedule(self, start: int, num_tokens: int, spec_token_ids: list[int]) -> None:
+        """This step computes tokens [start, start + num_tokens): known ids, then the token the step in
+        flight samples (a placeholder, filled on the device), then the drafts."""
+        prompt, outputs = self.prompt_token_ids, self.output_token_ids
+        p = len(prompt)
+        known = p + len(outputs)
+        end = start + num_tokens - len(spec_token_ids)
+        stop = min(end, known)
+        if stop <= p:
+            tokens = prompt[start:stop]
+        elif start >= p:
+            tokens = outputs[start - p:stop - p]
+        else:
+            tokens = prompt[start:] + outputs[:stop - p]
+        if end > known:
+            tokens += [PLACEHOLDER_TOKEN_ID] * (end - known)
+        if spec_token_ids:
+            tokens += spec_token_ids
+        self.start_pos = start
+        self.token_ids = tokens
+        self.spec_token_ids = spec_token_ids
+        # A chunk that reaches the known tokens samples (the scheduler never stops a chunk right before
+        # a token in flight: that token is all a request with one in flight has left to compute).
+        self.needs_sample = end >= known
+        self.output_len = len(outputs) + (end > known)
+
+
+@dataclass
+class StepLayout:
+    """One step's host arrays, in batch order: what the eager forward and the graph replays both read."""
+
+    token_ids: np.ndarray  # [T] flat input ids (placeholders still -1)
+    q_lens: np.ndarray  # [B] tokens per request
+    starts: np.ndarray  # [B] position of each request's first token
+    block_tables: np.ndarray  # [B, max blocks]
+    query_start_loc: np.ndarray  # [B + 1]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    logits_indices: np.ndarray  # [L] flat token index of every position that is sampled
+    sample_states: list  # [L] the request each logits row samples for
+    sampling_requests: list  # the requests that sample, in order (each owns 1 + len(drafts) rows)
+    placeholders: tuple[np.ndarray, np.ndarray]  # (flat index in token_ids, row in last_sampled)
+    has_drafts: bool
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.starts + self.q_lens
+
+
+NO_PLACEHOLDERS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_blocks_per_request: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        self.block_tables = BlockTables(max_num_seqs, max_blocks_per_request)
+        self.generators: dict[str, torch.Generator] = {}
+        # The last step's sampled ids, on the device, and each request's row in them.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_rows: dict[str, int] = {}
+
+    def apply(self, msg: StepMessage) -> list[RequestState]:
+        """Takes in one step message; returns the step's requests in batch order."""
+        reqs, tables = self.requests, self.block_tables
+        for rid in msg.finished_req_ids:  # first: a finished id may be reused in this very step
+            reqs.pop(rid, None)
+            tables.release(rid)
+            self.generators.pop(rid, None)
+        for rid in msg.preempted_req_ids:
+            tables.release(rid)  # the generator stays: a resumed request continues its stream
+        for rid, num_blocks in msg.trimmed_block_tables.items():
+            tables.trim(rid, num_blocks)
+        for new in msg.scheduled_new_reqs:
+            rid = new.req_id
+            reqs[rid] = RequestState(rid, new.prompt_token_ids, new.sampling_params, new.output_token_ids,
+                                     new.adapter_id)
+            tables.release(rid)
+            tables.add(rid, new.block_ids)
+            seed = getattr(new.sampling_params, "seed", None)
+            if seed is not None and rid not in self.generators:
+                self.generators[rid] = torch.Generator(device=self.device).manual_seed(seed)
+        cached = msg.scheduled_cached_reqs
+        for rid, new_tokens, new_blocks in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids):
+            if new_tokens:
+                reqs[rid].output_token_ids.extend(new_tokens)
+            if new_blocks:
+                tables.append(rid, new_blocks)
+        starts = {new.req_id: new.num_computed_tokens for new in msg.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        spec = msg.scheduled_spec_decode_tokens
+        batch = []
+        for rid, num in msg.num_scheduled_tokens.items():
+            state = reqs[rid]
+            state.schedule(starts[rid], num, spec.get(rid, ()) if spec else ())
+            batch.append(state)
+        return batch
+
+    def layout(self, batch: list[RequestState]) -> StepLayout:
+        num_reqs = len(batch)
+        q_lens = np.fromiter((len(s.token_ids) for s in batch), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.start_pos for s in batch), dtype=np.int64, count=num_reqs)
+        token_ids = np.fromiter((t for s in batch for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
+        tables = self.block_tables.gather([s.request_id for s in batch])
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        req_idx = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(token_ids.size) - qsl[req_idx] + starts[req_idx]
+        bs = self.block_size
+        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+        sampling = [i for i, s in enumerate(batch) if s.needs_sample]
+        has_drafts = any(batch[i].spec_token_ids for i in sampling)
+        if not has_drafts:  # one logits row per sampling request: its chunk's last token
+            logits_indices = qsl[1:][sampling] - 1
+            sample_states = [batch[i] for i in sampling]
+        else:  # a request with k drafts samples at its last 1 + k tokens
+            index, sample_states = [], []
+            for i in sampling:
+                s = batch[i]
+                n = 1 + len(s.spec_token_ids)
+                end = int(qsl[i + 1])
+                index.extend(range(end - n, end))
+                sample_states.extend([s] * n)
+            logits_indices = np.asarray(index, dtype=np.int64)
+        return StepLayout(token_ids, q_lens, starts, tables, qsl, positions, slot_mapping, logits_indices,
+                          sample_states, [batch[i] for i in sampling],
+                          self._placeholders(batch, token_ids, qsl), has_drafts)
+
+    def _placeholders(self, batch, token_ids: np.ndarray, qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat index in the step's tokens, row in last_sampled) of each token sampled by the step in flight."""
+        index = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
+        if not index.size:
+            return NO_PLACEHOLDERS
+        reqs = np.searchsorted(qsl[1:], index, side="right")
+        rows = np.fromiter((self.last_sampled_rows[batch[i].request_id] for i in reqs), dtype=np.int64,
+                           count=len(reqs))
+        return index, rows
+
+    def record_sampled(self, sampled: torch.Tensor, layout: StepLayout) -> None:
+        """Keeps this step's sampled ids on the device for the next step's placeholders. A request that
+        verified drafts has no row: the scheduler never schedules one past a step whose count is unknown."""
+        self.last_sampled = sampled
+        if not layout.has_drafts:
+            self.last_sampled_rows = {s.request_id: j for j, s in enumerate(layout.sample_states)}
+        else:
+            rows, j = {}, 0
+            for s in layout.sampling_requests:
+                if not s.spec_token_ids:
+                    rows[s.request_id] = j
+                j += 1 + len(s.spec_token_ids)
+            self.last_sampled_rows = rows

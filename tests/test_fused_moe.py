@@ -1,0 +1,133 @@
+"""The routed-experts kernels (kvserve/ops/fused_moe.py): the Triton grouped GEMMs equal the torch reference, on
+the CPU under Triton's interpreter (a subprocess with TRITON_INTERPRET=1) and on a GPU (the `gpu` test); the
+sort of (token, k) pairs into expert blocks keeps every pair exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.ops.fused_moe import align_block_size, fused_moe_torch
+from tests.triton_interpreter import INTERPRETED, run_file_in_interpreter
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
+def test_fused_moe_kernels_in_interpreter_subprocess():
+    pytest.importorskip("triton")
+    out = run_file_in_interpreter(__file__)
+    assert " passed" in out
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 40), experts=st.integers(1, 12), data=st.data())
+def test_align_block_size_puts_every_local_pair_in_one_block_of_its_expert(tokens, experts, data):
+    top_k = data.draw(st.integers(1, experts))
+    block_m = data.draw(st.sampled_from([1, 4, 16]))
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    elsewhere = data.draw(st.booleans())  # expert parallelism: some experts on other ranks (-1)
+    if elsewhere:
+        ids = torch.where(ids % 3 == 0, -1, ids)
+    sorted_pairs, block_expert, num_rows = align_block_size(ids, experts, block_m)
+    pairs = tokens * top_k
+    rows = int(num_rows)
+    assert rows % block_m == 0 and sorted_pairs.numel() == pairs + experts * (block_m - 1)
+    used = sorted_pairs[:rows]
+    real = used[used < pairs].tolist()
+    flat = ids.reshape(-1)
+    assert sorted(real) == [p for p in range(pairs) if flat[p] >= 0]  # each local pair once, others never
+    assert (sorted_pairs[rows:] == pairs).all()
+    for row in range(rows):
+        pair = int(used[row])
+        if pair < pairs:
+            assert int(flat[pair]) == int(block_expert[row // block_m])  # a block holds one expert's pairs
+    assert (block_expert[rows // block_m:] == -1).all()
+
+
+def _case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    probs = torch.randn(tokens, experts, generator=g).softmax(-1)
+    weights, ids = torch.topk(probs, top_k)
+    return x, w13, w2, weights, ids
+
+
+# Token counts that reach each of the three tile configurations (pairs <= 4 E, <= 32 E, more).
+@needs_interpreter
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (13, 8, 2), (70, 8, 2), (300, 8, 2), (9, 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_fused_moe_equals_torch_reference(tokens, experts, top_k, dtype):
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, 64, 48, dtype)
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    out = fused_moe_triton(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_interpreter
+def test_triton_fused_moe_expert_parallel_rank_sums_only_its_experts():
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = _case(21, 8, 2, 32, 32, torch.float32)
+    full = fused_moe_torch(x, w13, w2, weights, ids)
+    halves = []
+    for first in (0, 4):  # two ranks, experts 0-3 and 4-7
+        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
+        halves.append(fused_moe_triton(x, w13[first:first + 4], w2[first:first + 4], weights, local,
+                                       all_experts_local=False))
+    torch.testing.assert_close(halves[0] + halves[1], full, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_triton_fused_moe_fp8_weights_equal_dequantized_reference():
+    from kvserve.model.quantization.fp8_moe import _quantize_experts
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = _case(11, 8, 2, 64, 32, torch.float32)
+    (q13, s13), (q2, s2) = _quantize_experts(w13), _quantize_experts(w2)
+    ref = fused_moe_torch(x, q13, q2, weights, ids, s13, s2)
+    out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 64, 512, 4096])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(128, 8, 2048, 768), (8, 2, 1024, 1792)])
+def test_triton_fused_moe_on_gpu_equals_torch_reference(tokens, experts, top_k, hidden, inter):
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = (t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, torch.bfloat16))
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    out = fused_moe_triton(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,elsewhere", [
+    (1, 8, 2, 16, False), (37, 8, 2, 16, True), (300, 16, 4, 64, False), (5, 128, 8, 16, True), (1100, 4, 1, 32, False),
+])
+def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewhere):
+    """The one-launch Triton sort gives the same blocks as the torch one; only the order inside a run may differ."""
+    from kvserve.ops.fused_moe import align_block_size_triton
+
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    if elsewhere:
+        ids = torch.where(ids % 3 == 0, -1, ids)
+    ref = align_block_size(ids, experts, block_m)
+    got = align_block_size_triton(ids, experts, block_m)
+    assert int(got[2]) == int(ref[2])
+    assert got[1].tolist() == ref[1].tolist()
+    rows = int(ref[2])
+    blocks = lambda s: [sorted(s[i:i + block_m].tolist()) for i in range(0, rows, block_m)]  # noqa: E731
+    assert blocks(got[0]) == blocks(ref[0])
+    assert (got[0][rows:] == tokens * top_k).all()

@@ -1,0 +1,98 @@
+"""Windowed attention and the Gemma / Phi-3 / Granite / OLMo 2 families: greedy tokens identical to HF transformers (fp32) on
+tiny random models built with HF's own classes, over prompts longer than the window (tests/conftest.py:
+WINDOW), with chunked prefill, prefix hits and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.model_config import ModelConfig
+from tests.conftest import WINDOW, hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "granite", "olmo2"]
+
+
+def _generate(path, prompts, **kwargs) -> tuple[list[list[int]], object]:
+    llm = LLM(path, **{"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, **kwargs})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine
+
+
+def _shared_prefix_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 40000) for _ in range(rng.randint(50, 90))] for _ in range(2)]
+    return [prefixes[i % 2] + [rng.randrange(3, 40000) for _ in range(rng.randint(1, 30))] for i in range(6)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tiny_model_factory):
+    path, hf_model = tiny_model_factory(request.param)
+    prompts = random_prompts(6, WINDOW + 1, 4 * WINDOW, seed=len(request.param)) + _shared_prefix_prompts(7)
+    return path, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS)
+
+
+def test_matches_hf(model):
+    path, prompts, expected = model
+    assert min(len(p) for p in prompts) > WINDOW  # (Granite and OLMo 2 have no window: full attention)
+    tokens, _ = _generate(path, prompts, enable_prefix_caching=False)
+    assert tokens == expected
+
+
+def test_matches_hf_with_chunks_prefix_hits_and_preemption(model):
+    path, prompts, expected = model
+    # Chunks of 20 tokens (shorter than the window), prefix caching on, few blocks of 16 for 12 requests
+    # (fewer where every layer is windowed: those requests free their old blocks as they go).
+    all_windowed = ModelConfig.from_path(path).kv_cache_window is not None
+    tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6,
+                               num_gpu_blocks_override=8 if all_windowed else 18, max_model_len=160)
+    assert tokens == expected
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+def test_window_frees_blocks_and_max_model_len_beyond_the_window(tiny_model_factory):
+    """An all-windowed model (Mistral's window on every layer): a request far longer than the KV cache
+    runs, because blocks behind the window are freed as it goes, with HF's tokens; max_model_len is 4x
+    the window and 2x the cache."""
+    path, hf_model = tiny_model_factory("mistral-window")
+    prompt = random_prompts(1, 70, 70, seed=11)[0]
+    max_tokens = 120  # 190 tokens = 12 blocks of 16; the cache has 5
+    llm = LLM(path, max_model_len=4 * WINDOW * 2, kv_cache_memory_bytes=16 << 20, num_gpu_blocks_override=5,
+              max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.sliding_window == WINDOW
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, [prompt], max_tokens)[0]
+    assert engine.get_stats().num_preemptions == 0
+    assert engine.kv_cache_manager.pool.num_free_blocks == 5
+
+
+def test_interleaved_model_keeps_every_block(tiny_model_factory):
+    """Gemma's full layers need every position: its KV cache frees nothing (one table serves all layers)."""
+    path, _ = tiny_model_factory("gemma2")
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.kv_cache_manager.sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
+def test_tensor_parallel_matches_single_process(tiny_model_factory, arch):
+    """TP=2 (gloo, a process per rank): Gemma 2's soft-capped interleaved layers, Phi-3's fused
+    projections cut per rank with its window freeing blocks, and OLMo 2's q/k norm over the projection
+    split across ranks give the TP=1 and HF tokens."""
+    path, hf_model = tiny_model_factory(arch)
+    prompts = random_prompts(3, WINDOW + 10, 3 * WINDOW, seed=5)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    single, _ = _generate(path, prompts)
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2,
+              max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == single == expected
