@@ -35,6 +35,8 @@ class EngineArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for vLLM compatibility: kvserve runs no code from model repos, only its own model classes.", "group": "Model"})
     generation_config: str = field(default="auto", metadata={"help": "auto: sampling defaults from the model's generation_config.json; vllm: ignore it; or a folder holding a generation_config.json.", "group": "Model"})
     override_generation_config: str | None = field(default=None, metadata={"help": "JSON object of sampling defaults applied over the generation config, e.g. '{\"temperature\": 0.5}'.", "group": "Model"})
+    structured_outputs_config: str | None = field(default=None, metadata={"help": "Structured outputs, as JSON: {\"backend\": \"auto\" | \"xgrammar\" | \"guidance\", \"disable_any_whitespace\": bool, \"disable_additional_properties\": bool} (auto: xgrammar, llguidance where xgrammar refuses the constraint).", "group": "Structured outputs"})
+    reasoning_parser: str | None = field(default=None, metadata={"help": "deepseek_r1 | qwen3: the model thinks before it answers; the thinking is returned as reasoning_content and a structured-output constraint applies to the answer only.", "group": "Structured outputs"})
     # Cache
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block.", "group": "Cache"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory this engine may use (weights + activations + KV cache).", "group": "Cache"})
@@ -115,6 +117,12 @@ class EngineArgs:
         if self.preemption_mode != "recompute" and not self.swap_space:
             bad("preemption_mode", f"{self.preemption_mode} needs CPU memory to swap to: add --swap-space 4 "
                                    f"(GiB), or use --preemption-mode recompute.")
+        from kvserve.structured_output.compiler import StructuredOutputsConfig
+        from kvserve.structured_output.reasoning import REASONING_PARSERS
+
+        StructuredOutputsConfig.from_json(self.structured_outputs_config)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            bad("reasoning_parser", f"{self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}.")
         if self.device not in ("auto", "cuda", "cpu"):
             bad("device", f"{self.device!r} is not one of auto, cuda, cpu.")
         from kvserve.speculative_config import check_runnable, parse_speculative_config

@@ -8,6 +8,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from kvserve.structured_output.params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
@@ -132,6 +134,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -150,6 +153,11 @@ class SamplingParams:
             self.logit_bias = {_token_key(tok): _real("logit_bias", bias) for tok, bias in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()

@@ -81,6 +81,24 @@ SAMPLING = {
     "user": any_text,
     "truncate_prompt_tokens": st.one_of(st.integers(1, 40), st.just(-1)),
 }
+# Constraints, plausible and not: a tiny random model may run a constraint to max_tokens, which is fine.
+_SCHEMA = st.sampled_from([{"type": "object"}, {"type": "integer"}, {"enum": ["a", "b"]}, {"type": "foo"},
+                           {"type": "array", "items": {"type": "string", "pattern": "[a-z]"}}, {"$ref": "#/x"}])
+_REGEX = st.one_of(st.sampled_from(["[0-9]+", "(", "a|b", "\\p{L}", "a{2,1}", ".*"]), any_text)
+SAMPLING.update({
+    "guided_json": st.one_of(_SCHEMA, any_text),
+    "guided_regex": _REGEX,
+    "guided_choice": st.lists(any_text, max_size=3),
+    "guided_grammar": st.sampled_from(['root ::= "a"', "root ::=", 'start: "x"', "nonsense ::= ::="]),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional={"regex": _REGEX, "json": _SCHEMA,
+                                                                         "choice": st.lists(clean_text, max_size=2)}),
+                                    hostile),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                 _SCHEMA.map(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}})),
+    "guided_decoding_backend": st.sampled_from(["auto", "xgrammar", "guidance", "outlines"]),
+})
+_TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", ""])}, optional={"parameters": _SCHEMA, "strict": st.booleans()})})
 COMPLETION = {**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5), "add_special_tokens": st.booleans()}
 # Special-token strings inside a message must stay text (they must not open turns of their own).
 special_text = st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "system\n", "user", " hi ",
@@ -90,9 +108,12 @@ message = st.fixed_dictionaries(
      "content": st.one_of(clean_text, special_text,
                           st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": clean_text}),
                                    min_size=1, max_size=2))})
-CHAT = {**SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 4), "echo": st.booleans()}
-HOSTILE_ONLY = {"chat_template": any_text, "chat_template_kwargs": hostile, "response_format": hostile,
-                "tools": hostile, "suffix": any_text, "best_of": extreme_int, "stream_options": hostile,
+CHAT = {**SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 4), "echo": st.booleans(),
+        "tools": st.lists(_TOOL, max_size=3), "parallel_tool_calls": st.booleans(),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "sometimes"]),
+                                 st.sampled_from(["f", "g", "h"]).map(
+                                     lambda n: {"type": "function", "function": {"name": n}}))}
+HOSTILE_ONLY = {"chat_template": any_text, "chat_template_kwargs": hostile, "suffix": any_text, "best_of": extreme_int, "stream_options": hostile,
                 "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
                 "top_logprobs": extreme_int,
                 # refused (structured outputs and the rest of request_fields.py), or logged

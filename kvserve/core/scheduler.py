@@ -57,9 +57,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, structured_output=None):
+        """structured_output: the StructuredOutputManager that owns the constrained requests' matchers
+        (duck-typed, so this package stays free of torch and of grammar libraries), or None."""
         self.config = config
         self.kv = kv_cache_manager
+        self.structured_output = structured_output
+        self._grammar_failed: list[Request] = []  # finished in schedule(), reported by the next update()
         self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -131,6 +135,9 @@ class Scheduler:
             if req.num_spec_in_flight or (self.config.exclusive_batches and req.request_id in self.in_flight):
                 i += 1
                 continue
+            if req.num_pending_outputs and self._constrained(req):
+                i += 1  # its next mask needs the token still in flight
+                continue
             num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
             num_drafts = 0
             if req.spec_token_ids and not req.num_pending_outputs and num_new == req.num_tokens - req.num_computed_tokens:
@@ -153,6 +160,7 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short: let it drain).
+        grammar_pending: list[Request] = []  # waiting for their grammar: skipped, not holding up the rest
         while (
             self.waiting
             and budget > 0
@@ -162,6 +170,10 @@ class Scheduler:
             req = self.waiting.peek()
             if req.num_pending_outputs:  # preempted while a step was in flight: resume once its token is known
                 break
+            if self._constrained(req) and not self._grammar_ready(req):
+                if self.waiting and self.waiting.peek() is req:  # still compiling (a failed one is gone)
+                    grammar_pending.append(self.waiting.popleft())
+                continue
             if self.config.exclusive_batches and req.request_id in self.in_flight:
                 break  # preempted while a chunk of it is in flight: resume once that batch is back
             if self.kv.is_swapped(req):
@@ -190,6 +202,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new, new_block_ids, is_new=True))
             budget -= num_new
+        for req in grammar_pending:  # back in the queue, to be asked again next step
+            self.waiting.append(req)
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         in_flight = self.in_flight
@@ -197,6 +211,20 @@ class Scheduler:
             in_flight[sched.request_id] = in_flight.get(sched.request_id, 0) + 1
         out.message = build_step_message(out)
         return out
+
+    def _constrained(self, req: Request) -> bool:
+        so = self.structured_output
+        return so is not None and req.request_id in so
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Whether its grammar is compiled; a grammar that failed finishes the request (aborted)."""
+        status = self.structured_output.status(req.request_id)
+        if status == "failed":
+            self.waiting.popleft()
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(req)
+            self._grammar_failed.append(req)
+        return status == "ready"
 
     def _sibling_prefix(self, req: Request):
         """n > 1: a sample takes its first sibling's full prompt blocks instead of computing its own.
@@ -310,8 +338,9 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
         """Append each request's new tokens (one, or its accepted drafts and one more), checking stops on
         every one; roll back rejected drafts; finish requests. Returns the requests touched."""
-        touched = []
+        touched, self._grammar_failed = self._grammar_failed, []
         in_flight = self.in_flight
+        so = self.structured_output
         for sched in out.scheduled:
             left = in_flight.pop(sched.request_id, 1) - 1
             if left:
@@ -332,7 +361,10 @@ class Scheduler:
             for token in tokens:
                 req.append_output_token(token)
                 num_appended += 1
+                grammar_ended = so is not None and req.request_id in so and so.accept_token(req.request_id, token)
                 stop = req.stop_status()
+                if stop is None and grammar_ended:  # the grammar's own end (e.g. its stop token under ignore_eos)
+                    stop = (RequestStatus.FINISHED_STOPPED, None)
                 if stop is not None:
                     break
             if num_drafts:
@@ -401,6 +433,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        if self.structured_output is not None:
+            self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
 

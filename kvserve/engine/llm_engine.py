@@ -33,6 +33,7 @@ from kvserve.spec_decode.drafter import Drafter
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.spec_decode.stats import SpecDecodeStats
 from kvserve.units import GiB
+from kvserve.structured_output.engine_setup import make_structured_output_manager
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,14 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_cpu_blocks=swap.pop("num_cpu_blocks"),
                                                sliding_window=config.model_config.kv_cache_window)
+        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if self.eos_token_id is None and config.model_config.eos_token_ids:
+            self.eos_token_id = config.model_config.eos_token_ids[0]
+        # The constrained requests' matchers (None without a tokenizer: grammars are over its tokens).
+        self.structured_output = make_structured_output_manager(
+            args, self.tokenizer, config.model_config.vocab_size,
+            [t for t in [self.eos_token_id, *config.model_config.eos_token_ids] if t is not None])
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -96,12 +105,9 @@ class LLMEngine:
                 **swap,
             ),
             self.kv_cache_manager,
+            structured_output=self.structured_output,
         )
         self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
-        self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if self.eos_token_id is None and config.model_config.eos_token_ids:
-            self.eos_token_id = config.model_config.eos_token_ids[0]
         self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
         # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
@@ -177,6 +183,8 @@ class LLMEngine:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
         self.scheduler.check_fits(len(token_ids))  # the prompt-length limits, checked in one place
         self._resolve_params(params)
+        if params.structured_outputs is not None and self.structured_output is None:
+            raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
         samples = self._fan_out(request_id, params)
         first_id = samples[0][0]
         requests = [
@@ -189,6 +197,9 @@ class LLMEngine:
             for req in requests:
                 self.scheduler.add_request(req)
                 added.append(req.request_id)
+                if params.structured_outputs is not None:  # its grammar compiles off the step loop meanwhile
+                    self.structured_output.add_request(req.request_id, req.sampling_params.structured_outputs,
+                                                       token_ids)
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
@@ -196,6 +207,15 @@ class LLMEngine:
         if params.needs_output_history:
             self._needs_history.update(added)
         return request_id
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compiles the request's constraint now (cached for the engine), so that an invalid or too costly
+        one is a ValueError for the caller instead of an aborted request later."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_output is None:
+            raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
+        self.structured_output.compiler.compile(params.structured_outputs)
 
     def _resolve_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the model's EOS ids, bad words as token ids, the vocabulary."""
@@ -254,7 +274,7 @@ class LLMEngine:
         if self._in_flight is not None and (self._needs_history or self._drafting_now):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         self._scheduled_now = (sched_out, self._in_flight.sched_out if self._in_flight is not None else None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
@@ -271,6 +291,14 @@ class LLMEngine:
         else:
             outputs += self._finish(launched)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        sched_out = self.scheduler.schedule()
+        if self.structured_output is not None and sched_out.scheduled:
+            msg = sched_out.message  # the workers' copy: its grammar slots
+            msg.grammar_bitmask, msg.structured_output_request_ids = \
+                self.structured_output.grammar_bitmask(sched_out.scheduled)
+        return sched_out
 
     def recover_from_failed_step(self) -> list[str]:
         """After step() raised: finds the requests whose own parameters fail a step (each tried alone in the
@@ -298,7 +326,7 @@ class LLMEngine:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
         self._drafting_now = self._drafting()
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)

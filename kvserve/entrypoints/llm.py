@@ -73,6 +73,7 @@ class LLM:
         final = {}
         for params in params_list:
             if id(params) not in final:
+                engine.check_structured_outputs(params)  # an invalid constraint: ValueError before any request runs
                 final[id(params)] = params.clone()
                 final[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
         ids = []

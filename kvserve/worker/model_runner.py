@@ -15,6 +15,7 @@ from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
 from kvserve.sizing.memory_plan import mixed_graph_sizes
 from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
@@ -251,6 +252,15 @@ class ModelRunner:
                                 layout.seq_lens, layout.block_tables, layout.logits_indices, layout.placeholders,
                                 last_sampled)
 
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, msg, rids: list[str]) -> None:
+        """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
+        mask_row = msg.structured_output_request_ids
+        logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
+        if logits_rows:
+            masks = msg.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            apply_token_bitmask(logits, masks, logits_rows)
+
     @torch.inference_mode()
     def execute_async(self, msg: StepMessage) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
@@ -296,6 +306,10 @@ class ModelRunner:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
+        if msg.grammar_bitmask is not None:
+            if layout.has_drafts:  # the mask has one row per request, not one per draft position
+                raise ValueError("structured outputs with draft tokens are not supported yet")
+            self._apply_grammar_bitmask(logits, msg, rids)
         if not layout.has_drafts:
             meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
                                              self.device)

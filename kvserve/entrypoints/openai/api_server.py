@@ -51,6 +51,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.tool_parsers import check_tool_flags
 from kvserve.entrypoints.openai.serving_base import ClientDisconnectedError, RequestTimeoutError
 from kvserve.entrypoints.openai.serving_chat import ServingChat
 from kvserve.entrypoints.openai.serving_completion import ServingCompletion
@@ -79,6 +80,7 @@ class ServerSettings:
     chat_template_timeout: float = DEFAULT_TIMEOUT_S
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     request_timeout: float | None = None
     engine_heartbeat_timeout: float = DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S
@@ -178,7 +180,7 @@ def build_app(state: ServerState) -> FastAPI:
         renderer_options["num_workers"] = settings.chat_template_workers
     chat = ServingChat(engine, settings.served_model_name, settings.response_role, settings.chat_template,
                        trust_request_chat_template=settings.trust_request_chat_template,
-                       request_timeout=settings.request_timeout, admission=settings.admission, **renderer_options)
+                       request_timeout=settings.request_timeout, tool_call_parser=settings.tool_call_parser, admission=settings.admission, **renderer_options)
     state.on_ready = chat.start_renderer
     completion = ServingCompletion(engine, settings.served_model_name, request_timeout=settings.request_timeout,
                                    admission=settings.admission)
@@ -358,9 +360,11 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                max_concurrent_connections: int = DEFAULT_MAX_CONCURRENT_CONNECTIONS,
                request_timeout: float | None = None,
                engine_heartbeat_timeout: float = DEFAULT_ENGINE_HEARTBEAT_TIMEOUT_S,
-               allowed_hosts: tuple[str, ...] = (), chat_template_workers: int | None = None) -> int:
+               allowed_hosts: tuple[str, ...] = (), chat_template_workers: int | None = None,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> int:
     config = engine_args.create_engine_config()  # bad flags fail here, before the port opens
     _note_flags_without_effect(engine_args, config)
+    tool_call_parser = check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     settings = ServerSettings(
         served_model_name=config.served_model_name,
         model_path=str(config.model_path),
@@ -374,6 +378,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         chat_template_timeout=chat_template_timeout,
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
+        tool_call_parser=tool_call_parser,
         request_body_timeout=request_body_timeout,
         request_timeout=request_timeout,
         engine_heartbeat_timeout=engine_heartbeat_timeout,

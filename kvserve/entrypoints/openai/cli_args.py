@@ -16,6 +16,7 @@ from kvserve.entrypoints.openai.admission import (
     AdmissionLimits,
 )
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
+from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvserve.entrypoints.vllm_flags import add_vllm_flags
 
 # The HTTP limits' defaults live with their flags: building this parser (every `kvserve` command does) must
@@ -69,6 +70,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="Seconds one chat template render may take before it is stopped and the request "
                         f"gets 400 (default: {DEFAULT_TIMEOUT_S:g}).")
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+                   help='Let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser. '
+                        '"required" and named tool choices work without it.')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="How the model writes tool calls: hermes | llama3_json | mistral | pythonic.")
     g.add_argument("--chat-template-workers", type=_positive_int, default=DEFAULT_WORKERS,
                    help="Chat template renders that run at once, each in a worker process "
                         f"(default: {DEFAULT_WORKERS}, the CPU count up to 4).")
@@ -131,6 +137,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         enable_log_requests=ns.enable_log_requests, shutdown_timeout=ns.shutdown_timeout,
         trust_request_chat_template=ns.trust_request_chat_template, max_request_body_bytes=ns.max_request_body_bytes,
         header_timeout=ns.header_timeout, chat_template_timeout=ns.chat_template_timeout,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
         request_body_timeout=ns.request_body_timeout, max_concurrent_connections=ns.max_concurrent_connections,
         request_timeout=ns.request_timeout, engine_heartbeat_timeout=ns.engine_heartbeat_timeout,
         allowed_hosts=tuple(name.strip() for entry in ns.allowed_hosts for name in entry.split(",") if name.strip()),

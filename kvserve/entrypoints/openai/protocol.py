@@ -101,6 +101,16 @@ class _SamplingFields(_Request):
     best_of: int | None = None
     use_beam_search: bool = False
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
+    # (entrypoints/openai/structured_request.py reads them into one constraint).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens (-1: max_model_len)
 
     def sampling_fields(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
@@ -141,6 +151,9 @@ class _SamplingFields(_Request):
             raise ValueError("best_of different from n is not supported.")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported; use structured_outputs with "
+                             "disable_any_whitespace.")
         if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
             raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); "
                              "send the request without stream.")
@@ -191,9 +204,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -211,6 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"top_logprobs must be a non-negative integer or -1, got {self.top_logprobs}.")
             if self.top_logprobs != 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
+            if self.top_logprobs < 0:
+                raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
         # tools themselves (and response_format) are answered by request_fields.NOT_SUPPORTED_YET
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError(f"tool_choice {str(self.tool_choice)[:60]} needs tools: send the tools the "

@@ -17,28 +17,11 @@ def _given(value, body: dict) -> bool:
     return value is not None
 
 
-def _asks_for_a_format(value, body: dict) -> bool:
-    return isinstance(value, dict) and value.get("type", "text") != "text"
-
-
-def _tools_in_use(value, body: dict) -> bool:
-    return bool(value) and body.get("tool_choice") != "none"
-
-
-# Structured outputs and tool calling are not built yet: until they are, asking for them is a 400, never
-# free text. field -> (what it asks for, whether this value, in this body, asks for it). Shrinks as the
-# features land.
+# Asking for what is not built yet is a 400, never free text. field -> (what it asks for, whether this
+# value, in this body, asks for it).
 NOT_SUPPORTED_YET = {
-    "guided_json": ("structured outputs (a JSON schema)", _given),
-    "guided_regex": ("structured outputs (a regular expression)", _given),
-    "guided_choice": ("structured outputs (a choice)", _given),
-    "guided_grammar": ("structured outputs (a grammar)", _given),
-    "guided_decoding_backend": ("structured outputs", _given),
-    "guided_whitespace_pattern": ("structured outputs", _given),
-    "structural_tag": ("structured outputs (a structural tag)", _given),
-    "structured_outputs": ("structured outputs", _given),
-    "response_format": ("structured outputs (response_format other than text)", _asks_for_a_format),
-    "tools": ("tool calling (tools with tool_choice other than 'none')", _tools_in_use),
+    # vLLM's top-level structural_tag field (structured_outputs.structural_tag and response_format's work).
+    "structural_tag": ("structured outputs (a top-level structural tag; send it in structured_outputs)", _given),
 }
 
 # Refused whatever the endpoint: field -> (the value that asks for nothing, what to do instead).

@@ -16,8 +16,12 @@ from fastapi.responses import StreamingResponse
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError, EngineNotReadyError, EngineOverloadedError
 from kvserve.entrypoints.openai.admission import AdmissionLimits, check_request_id
 from kvserve.entrypoints.openai.errors import APIError
+from kvserve.entrypoints.openai.structured_request import request_constraint
 from kvserve.entrypoints.openai.request_fields import check_fields
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.compiler import GrammarCompiler, StructuredOutputsConfig
+from kvserve.structured_output.limits import COMPILE_TIMEOUT_S
+from kvserve.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("kvserve.server")
 
@@ -72,6 +76,7 @@ class ServingBase:
         self.chat_template = chat_template
         self.request_timeout = request_timeout  # --request-timeout (None: no server deadline)
         self._max_token_bytes: int | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
 
     def deadline(self, raw: Request | None, stream: bool) -> Deadline | None:
         """The earlier of --request-timeout and, for a non-streaming request, the OpenAI client's timeout
@@ -227,6 +232,43 @@ class ServingBase:
                 message = param + message[message.index(" "):]
             raise APIError(message, 400, param) from None
 
+    # ---- structured outputs ----------------------------------------------------------------------
+    @property
+    def structured_outputs_config(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig.from_json(getattr(self.engine.config.args, "structured_outputs_config", None))
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This process's compiler: a request's constraint is compiled here first, so that a bad or too costly
+        one is a 400 before the engine sees it (the engine compiles it again for its own matchers)."""
+        if self._grammar_compiler is None:
+            tokenizer = self.require_tokenizer("Structured output")
+            model = self.engine.config.model_config
+            stop = [t for t in [getattr(tokenizer, "eos_token_id", None), *model.eos_token_ids] if t is not None]
+            self._grammar_compiler = GrammarCompiler(tokenizer, model.vocab_size, list(dict.fromkeys(stop)),
+                                                     self.structured_outputs_config)
+        return self._grammar_compiler
+
+    async def constraint(self, req, plan=None, tool_parser: str | None = None) -> StructuredOutputsParams | None:
+        """The request's one output constraint, compiled (400 when it is wrong or its compile is too slow)."""
+        try:
+            constraint = request_constraint(req, plan, tool_parser, self.structured_outputs_config.backend)
+        except ValueError as e:
+            raise APIError(str(e), 400, _param_of(str(e))) from None
+        if constraint is None:
+            return None
+        compiler = self.grammar_compiler()
+        await asyncio.wrap_future(compiler.warm_up())  # loading the libraries (once) is no part of the time limit
+        future = compiler.submit(constraint)
+        try:
+            # shield: a timeout gives up waiting, it does not cancel the compile others may share
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(f"Compiling the {constraint.kind} constraint took longer than {COMPILE_TIMEOUT_S:g} s; "
+                           f"simplify it.", 400, _param_of_constraint(req)) from None
+        except ValueError as e:
+            raise APIError(str(e), 400, _param_of_constraint(req)) from None
+        return constraint
+
     # ---- running requests ------------------------------------------------------------------------
     async def add_requests(self, items: list[tuple[str, dict, SamplingParams]], raw: Request | None = None,
                            deadline: Deadline | None = None):
@@ -310,6 +352,14 @@ async def until_disconnect(raw: Request, work: Awaitable, on_disconnect, deadlin
             raise ClientDisconnectedError("client disconnected")
         raise deadline.error()
     return task.result()
+
+
+def _param_of_constraint(req) -> str | None:
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "tools"):
+        if getattr(req, name, None):
+            return name
+    return None
 
 
 async def before_deadline(outputs, deadline: Deadline | None):

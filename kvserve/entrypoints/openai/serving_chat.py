@@ -17,6 +17,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+import json
+
+from kvserve.entrypoints.openai.chat_output import ChatOutputReader
 from kvserve.entrypoints.openai.chat_renderer import ChatTemplateRenderer
 from kvserve.entrypoints.openai.errors import APIError, sse_error
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -32,6 +35,9 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnect,
     usage,
 )
+from kvserve.entrypoints.openai.structured_request import tool_plan
+from kvserve.entrypoints.openai.tool_parsers import get_tool_parser
+from kvserve.structured_output.reasoning import END, START, get_reasoning_parser, thinking_ended_in
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,14 @@ def _message_dict(m: ChatMessage) -> dict:
         d["content"] = "\n".join(texts)
     elif content is None:
         d["content"] = ""
+    # Templates iterate over a call's arguments: give them the object, not its JSON text (as vLLM does).
+    for call in d.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
     return d
 
 
@@ -122,10 +136,12 @@ def _encode_keeping_spans_as_text(tokenizer, text: str, spans, add_special_token
 
 
 class ServingChat(ServingBase):
-    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs):
+    def __init__(self, *args, trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+                 **kwargs):
         limits = {k: kwargs.pop(k) for k in ("timeout_s", "max_output_chars", "num_workers") if k in kwargs}
         super().__init__(*args, **kwargs)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" is refused without one
         self.renderer: ChatTemplateRenderer | None = None  # started once the tokenizer is loaded
         self._renderer_lock = threading.Lock()
         self._renderer_limits = limits  # ChatTemplateRenderer's time and size limits
@@ -135,6 +151,8 @@ class ServingChat(ServingBase):
     def start_renderer(self) -> None:
         """Starts the render worker (the server calls this once the tokenizer is loaded, off the loop)."""
         with self._renderer_lock:
+            if self.tokenizer is not None and self._grammar_compiler is None:
+                self.grammar_compiler().warm_up()  # the grammar libraries load while the first requests come
             if self.tokenizer is not None and self.renderer is None and not self._renderer_failed:
                 try:
                     self.renderer = ChatTemplateRenderer(self.tokenizer, **self._renderer_limits)
@@ -160,12 +178,13 @@ class ServingChat(ServingBase):
 
     async def render_and_encode(self, messages: list[ChatMessage], add_generation_prompt: bool,
                                 continue_final_message: bool, chat_template: str | None,
-                                chat_template_kwargs: dict | None, add_special_tokens: bool) -> tuple[str, list[int]]:
+                                chat_template_kwargs: dict | None, add_special_tokens: bool,
+                                tools: list | None = None) -> tuple[str, list[int]]:
         """The prompt text of `messages` and its token ids, special tokens from the messages kept as text."""
         marks = _SpecialTokensAsText(self.special_strings())
         conversation = marks.hide([_message_dict(m) for m in messages])
         text, spans = marks.restore(await self._render(conversation, add_generation_prompt, continue_final_message,
-                                                       chat_template, chat_template_kwargs))
+                                                       chat_template, chat_template_kwargs, tools))
         if not spans:
             return text, await self.encode(text, add_special_tokens, "messages")
         tokenizer = self.check_text_size(text, "messages")
@@ -173,12 +192,12 @@ class ServingChat(ServingBase):
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
-                          chat_template_kwargs: dict | None) -> str:
+                          chat_template_kwargs: dict | None, tools: list | None = None) -> str:
         return await self._render([_message_dict(m) for m in messages], add_generation_prompt,
-                                  continue_final_message, chat_template, chat_template_kwargs)
+                                  continue_final_message, chat_template, chat_template_kwargs, tools)
 
     async def _render(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                      chat_template: str | None, chat_template_kwargs: dict | None) -> str:
+                      chat_template: str | None, chat_template_kwargs: dict | None, tools: list | None = None) -> str:
         tokenizer = self.require_tokenizer("Chat")
         if chat_template is not None and not self.trust_request_chat_template:
             raise APIError("A chat_template in the request is refused: the server runs without "
@@ -187,11 +206,14 @@ class ServingChat(ServingBase):
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise APIError("This model's tokenizer has no chat template; start the server with --chat-template.", 400)
         kwargs = dict(chat_template_kwargs or {})
-        for name in ("tokenize", "chat_template", "add_generation_prompt", "continue_final_message", "return_dict"):
+        for name in ("tokenize", "chat_template", "add_generation_prompt", "continue_final_message", "return_dict",
+                     "tools"):
             if name in kwargs:
                 raise APIError(f"chat_template_kwargs may not set {name}.", 400, "chat_template_kwargs")
         kwargs.update(chat_template=template, add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message)
+        if tools:
+            kwargs["tools"] = tools
         if self.renderer is None:  # a request that beat the start-up hook
             await asyncio.get_running_loop().run_in_executor(None, self.start_renderer)
         try:
@@ -204,17 +226,36 @@ class ServingChat(ServingBase):
         except Exception as e:  # noqa: BLE001 - a template refusing the messages is the client's error
             raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from None
 
+    def output_reader(self, plan, prompt_token_ids: list[int]) -> ChatOutputReader:
+        parser = get_tool_parser(self.tool_call_parser) if plan.mode == "auto" else None
+        reasoning = get_reasoning_parser(getattr(self.engine.config.args, "reasoning_parser", None))
+        if reasoning is not None:
+            tok = self.tokenizer
+            start, end = (tok.encode(m, add_special_tokens=False) for m in (START, END))
+            if thinking_ended_in(prompt_token_ids, start, end):  # e.g. thinking turned off: all answer
+                reasoning = None
+        return ChatOutputReader(plan, parser, reasoning)
+
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_request(req)
+        try:
+            plan = tool_plan(req.tools, req.tool_choice, self.tool_call_parser is not None)
+        except ValueError as e:
+            raise APIError(str(e), 400, "tool_choice" if str(e).startswith("tool_choice") else "tools") from None
+        constraint = await self.constraint(req, plan, self.tool_call_parser)
         deadline = self.deadline(raw, req.stream)
         text, token_ids = await self.render_and_encode(
             req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template,
-            req.chat_template_kwargs, req.add_special_tokens)
+            req.chat_template_kwargs, req.add_special_tokens, req.tools)
         kept = self.truncate(token_ids, req.truncate_prompt_tokens)
         if len(kept) != len(token_ids):
             token_ids, text = kept, None  # the text no longer matches the ids
         max_tokens = self.max_tokens_for(len(token_ids), req.requested_max_tokens)
-        params = self.sampling_params(req.sampling_fields(max_tokens, req.num_logprobs), {"logprobs": "top_logprobs"})
+        fields = req.sampling_fields(max_tokens, req.num_logprobs)
+        if constraint is not None:
+            fields["structured_outputs"] = constraint
+        params = self.sampling_params(fields, {"logprobs": "top_logprobs"})
+        reader = self.output_reader(plan, token_ids)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         if deadline is not None:
             deadline.request_id = request_id
@@ -223,11 +264,11 @@ class ServingChat(ServingBase):
         created = int(time.time())
         echo = self._echo(req)
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, created, len(token_ids), streams[0], echo,
-                                                    deadline), lambda: self.abort_all(streams))
+            return EventStreamResponse(self._stream(req, request_id, created, len(token_ids), streams[0], reader,
+                                                    echo, deadline), lambda: self.abort_all(streams))
         result = await until_disconnect(raw, self._collect(req, streams[0]), lambda: self.abort_all(streams),
                                         deadline)
-        return JSONResponse(self._response(req, request_id, created, len(token_ids), *result, echo=echo))
+        return JSONResponse(self._response(req, request_id, created, len(token_ids), reader, *result, echo=echo))
 
     def _echo(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's content, when that message has the reply's role."""
@@ -261,7 +302,7 @@ class ServingChat(ServingBase):
             self.engine.abort(stream.request_id)
         return texts, tokens, logprobs, finish, num_preemptions, prompt_logprobs
 
-    def _response(self, req, request_id, created, num_prompt, texts, tokens, logprobs, finish,
+    def _response(self, req, request_id, created, num_prompt, reader, texts, tokens, logprobs, finish,
                   num_preemptions: int = 0, prompt_logprobs=None, echo: str = "") -> dict:
         choices = []
         num_completion = 0
@@ -273,10 +314,11 @@ class ServingChat(ServingBase):
                 lp = {"content": chat_logprobs(ids, logprobs.get(k, []), req.top_logprobs or 0, self.tokenizer),
                       "refusal": None}
             reason, stop_reason = finish.get(k, (None, None))
+            message, reason = reader.message(texts.get(k, ""), reason)
             choices.append({
                 "index": k,
-                "message": {"role": self.response_role, "content": echo + texts.get(k, ""), "refusal": None,
-                            "tool_calls": []},
+                "message": {"role": self.response_role, "refusal": None,
+                            **{**message, "content": echo + message["content"] if echo else message["content"]}},
                 "logprobs": lp,
                 "finish_reason": reason,
                 "stop_reason": stop_reason,
@@ -289,12 +331,13 @@ class ServingChat(ServingBase):
         return response
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, num_prompt: int, stream,
-                      echo: str = "", deadline=None):
+                      reader: ChatOutputReader, echo: str = "", deadline=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
         num_completion = num_preemptions = 0
+        choice_streams = [reader.streamer() for _ in range(req.n)]
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
             for k in range(req.n):
@@ -317,12 +360,18 @@ class ServingChat(ServingBase):
                     if req.logprobs:
                         lp = {"content": chat_logprobs(list(c.token_ids), list(c.logprobs or []),
                                                        req.top_logprobs or 0, self.tokenizer), "refusal": None}
-                    delta = {"content": c.text} if c.text else {}
-                    chunk = {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                    if continuous:
-                        chunk["usage"] = usage(num_prompt, num_completion, num_preemptions)
-                    yield sse(chunk)
+                    deltas, finish_reason = choice_streams[c.index].feed(c.text, c.finish_reason)
+                    # Every piece of the message is a chunk of its own; the last carries finish_reason.
+                    deltas = deltas or [{}]
+                    for j, delta in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        chunk = {**base, "choices": [{
+                            "index": c.index, "delta": delta, "logprobs": lp if j == 0 else None,
+                            "finish_reason": finish_reason if last else None,
+                            "stop_reason": c.stop_reason if last else None}]}
+                        if continuous:
+                            chunk["usage"] = usage(num_prompt, num_completion, num_preemptions)
+                        yield sse(chunk)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion, num_preemptions)})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream

@@ -54,9 +54,12 @@ class ServingCompletion(ServingBase):
         if deadline is not None:
             deadline.request_id = request_id
         items = []
+        constraint = await self.constraint(req)
         for i, p in enumerate(prompts):
             max_tokens = self.max_tokens_for(len(p.token_ids), req.max_tokens)
             fields = req.sampling_fields(max_tokens, req.logprobs)
+            if constraint is not None:
+                fields["structured_outputs"] = constraint
             if req.echo and req.logprobs is not None and "prompt_logprobs" not in fields:
                 fields["prompt_logprobs"] = req.logprobs
             params = self.sampling_params(fields)

@@ -1,0 +1,97 @@
+"""The default grammar library: xgrammar (vLLM's and SGLang's default)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import xgrammar as xgr
+
+from kvserve.structured_output.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    Matcher,
+    legacy_structural_tag,
+    without_additional_properties,
+)
+
+
+class XgrammarMatcher(Matcher):
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class XgrammarGrammar(CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.compiled = compiled
+
+    def new_matcher(self) -> Matcher:
+        return XgrammarMatcher(self.compiled)
+
+
+def _message(error: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[20:41:44] /project/cpp/regex_converter.cc:94: ")."""
+    text = " ".join(str(error).split())
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text) or type(error).__name__
+
+
+def _ebnf_literal(text: str) -> str:
+    # JSON's string escapes are xgrammar EBNF's.
+    return json.dumps(text, ensure_ascii=False)
+
+
+class XgrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_limit_bytes: int = 256 << 20):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
+
+    def compile(self, params) -> CompiledGrammar:
+        try:
+            return XgrammarGrammar(self._compile(params))
+        except Exception as e:  # noqa: BLE001 - whatever the library raises, it refused this constraint
+            raise ValueError(f"xgrammar: {_message(e)}") from None
+
+    def _compile(self, params) -> xgr.CompiledGrammar:
+        c = self._compiler
+        kind = params.kind
+        any_ws = not params.disable_any_whitespace
+        if kind == "json":
+            schema = params.json
+            if params.disable_additional_properties:
+                schema = without_additional_properties(schema)
+            return c.compile_json_schema(json.dumps(schema), any_whitespace=any_ws)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)  # an object, as OpenAI's
+        if kind == "regex":
+            return c.compile_regex(params.regex)
+        if kind == "choice":
+            return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(s) for s in params.choice))
+        if kind == "grammar":
+            try:
+                return c.compile_grammar(params.grammar)
+            except RuntimeError:
+                return c.compile_lark(params.grammar)  # not EBNF: perhaps Lark
+        if kind == "structural_tag":
+            spec = json.loads(params.structural_tag)
+            legacy = legacy_structural_tag(spec)
+            if legacy is None:
+                return c.compile_structural_tag(params.structural_tag)
+            structures, triggers = legacy
+            tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                    for s in structures]
+            return c.compile_structural_tag(tags, triggers)
+        raise ValueError(f"unknown constraint {kind!r}")
