@@ -2,7 +2,8 @@
 modules' top-level imports have no cycle. Layers, bottom up (a layer may import its own and lower ones):
 
   0  core (pure Python), units, sizing, sampling_params, speculative_config, outputs, inputs, background,
-     log_safety, child_signals
+     log_safety, child_signals, structured_output (grammars and matchers: sampling_params holds its params,
+     the worker applies its bitmask, the engine owns its matchers; it imports nothing else of kvserve)
   1  distributed, ops (kernels)
   2  model
   3  config (the engine configuration, resolved from the model's files)
@@ -24,7 +25,7 @@ import kvserve
 
 LAYERS = {
     "core": 0, "units": 0, "sizing": 0, "sampling_params": 0, "outputs": 0, "inputs": 0, "background": 0,
-    "log_safety": 0, "child_signals": 0, "speculative_config": 0,
+    "log_safety": 0, "child_signals": 0, "speculative_config": 0, "structured_output": 0,
     "distributed": 1, "ops": 1,
     "model": 2,
     "config": 3,

@@ -255,20 +255,28 @@ COMPLETION = {"prompt": "Hi", "max_tokens": 2}
 @pytest.mark.parametrize("path, base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 @pytest.mark.parametrize("field, value", [
     ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]),
-    ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+    ("guided_grammar", 'root ::= "a"'), ("guided_decoding_backend", "xgrammar"),
     ("structured_outputs", {"json": {"type": "object"}}), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
 ])
-def test_7_structured_output_fields_are_refused(server, path, base, field, value):
-    _assert_error(_post(server, path, {**base, field: value}), 400, field, "not supported yet")
+def test_7_structured_output_fields_are_applied(server, path, base, field, value):
+    """Applied, not ignored (what each constraint produces: tests/test_server_structured.py)."""
+    body = {**base, field: value}
+    if field == "guided_decoding_backend":
+        body["guided_regex"] = "[a-z]+"
+    assert _post(server, path, body).status_code == 200
+
+
+def test_7_top_level_structural_tag_is_refused(server):
+    _assert_error(_post(server, "/v1/completions", {**COMPLETION, "structural_tag": "{}"}), 400, "structural_tag",
+                  "not supported yet")
 
 
 def test_7_tools_and_tool_choice(server):
     _assert_error(_post(server, "/v1/chat/completions", {**CHAT, "tool_choice": "required"}), 400, "tool_choice",
                   "needs tools")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    _assert_error(_post(server, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "required"}), 400,
-                  "tools", "not supported yet")
+    assert _post(server, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "required"}).status_code == 200
     assert _post(server, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "none"}).status_code == 200
     assert _post(server, "/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}).status_code == 200
 

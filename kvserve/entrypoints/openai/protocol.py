@@ -224,9 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"top_logprobs must be a non-negative integer or -1, got {self.top_logprobs}.")
             if self.top_logprobs != 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
-            if self.top_logprobs < 0:
-                raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs}.")
-        # tools themselves (and response_format) are answered by request_fields.NOT_SUPPORTED_YET
+        # The tools themselves and tool_choice's other forms: structured_request.tool_plan.
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError(f"tool_choice {str(self.tool_choice)[:60]} needs tools: send the tools the "
                              f"model may call, or leave tool_choice unset.")

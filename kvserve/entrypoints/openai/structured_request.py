@@ -144,7 +144,9 @@ def request_constraint(req, plan: ToolPlan | None = None, parser_name: str | Non
                        server_backend: str = "auto") -> StructuredOutputsParams | None:
     """The one constraint the request asks for, or None; ValueError when it asks for two or states one wrongly."""
     backend = getattr(req, "guided_decoding_backend", None)
-    if backend is not None and (backend not in BACKENDS or backend not in ("auto", server_backend)):
+    # As vLLM: the server's backend decides; a request may name it, or any backend when the server's is auto.
+    if backend is not None and (backend not in BACKENDS or
+                                (server_backend != "auto" and backend not in ("auto", server_backend))):
         raise ValueError(f"guided_decoding_backend {str(backend)[:40]!r}: this server uses {server_backend!r} "
                          f"(--structured-outputs-config); leave the field out.")
     sources = []
