@@ -182,7 +182,7 @@ def test_fp8_layers_take_their_input_quantized_by_the_producer(rows, monkeypatch
     elif not fp8.cuda_has_fp8(torch.device(DEVICE)):
         pytest.skip("no FP8 tensor cores (compute capability < 8.9)")
     torch.manual_seed(0)
-    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512)
+    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512, hidden_act="silu")
     mlp = llama.MLP(cfg, fp8.Fp8Config(checkpoint_is_fp8=False), "layers.0.mlp")
     norm = layers.RMSNorm(256, 1e-5)
     for linear in (mlp.gate_up_proj, mlp.down_proj):
