@@ -4,7 +4,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/gpu_w2_gemma.py [--out DIR] [--quick]
 
 1. kernels: the windowed / soft-capped Triton attention against the dense definition and the torch
-   backend (pytest tests/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests included).
+   backend (pytest tests/kernels/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests included).
 2. parity: a tiny random Gemma 2 and Gemma 3 (windows shorter than the prompts), fp32 on the GPU:
    the triton backend gives the torch backend's greedy tokens.
 3. W2: seconds, output tok/s and total tok/s, with the KV cache size and preemptions.
@@ -28,7 +28,7 @@ import torch
 
 def kernel_tests() -> str:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_triton_attention_window.py"], capture_output=True, text=True, check=False)
+                           "tests/kernels/test_triton_attention_window.py"], capture_output=True, text=True, check=False)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     print("\n".join(lines[-15:]))
     return lines[-1] if lines else f"rc {proc.returncode}"

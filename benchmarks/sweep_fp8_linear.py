@@ -178,7 +178,7 @@ def kv_case(batch: int, row: dict, old_write) -> None:
 
         q, k, v, cache, meta, *_ = make_step([640] * batch, [1] * batch, seed=batch)
     else:
-        from tests.test_triton_attention import make_batch
+        from tests.kernels.test_triton_attention import make_batch
 
         q, k, v, cache, meta = make_batch([40] * batch, [1] * batch, seed=batch)
     fp8_cache = torch.stack([quantize_kv(cache[0], ks), quantize_kv(cache[1], vs)])

@@ -1,7 +1,7 @@
 """The two tiers of the Triton kernel tests.
 
 * CPU (CI): Triton's interpreter runs the kernels on CPU tensors. It must be switched on
-  (TRITON_INTERPRET=1) before triton is first imported, so tests/test_triton_interpreter.py re-runs each
+  (TRITON_INTERPRET=1) before triton is first imported, so tests/kernels/test_triton_interpreter.py re-runs each
   kernel test file in a fresh pytest subprocess with it set.
 * GPU (`pytest -m gpu`): the same tests, compiled, on CUDA tensors. Outside the interpreter every kernel
   test carries the `gpu` mark (KERNEL_TIER), which conftest.py skips where there is no CUDA.

@@ -5,7 +5,7 @@ the cache). `TorchAttentionBackend` computes the same thing with few, large tens
 (which requests decode, which prefill from scratch, every gather index and mask) is worked out once per
 step in a `StepPlan` and reused by all layers, decodes run as one padded SDPA call, and prompts without
 cached context attend to the step's own K/V with a causal SDPA, consecutive equal-length prompts in one
-batched call. tests/test_torch_attention.py checks the two agree.
+batched call. tests/kernels/test_torch_attention.py checks the two agree.
 
 Per-layer options (both functions): `sliding_window` W makes key j visible from query i iff i - W < j <= i
 (only those keys are read, so blocks left of every query's window may have been freed), and

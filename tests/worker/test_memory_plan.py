@@ -15,7 +15,7 @@ from kvserve.model.model_config import ModelConfig
 from kvserve.sizing import memory_plan
 from kvserve.sizing.memory_plan import GiB
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 H100 = 79.2  # GiB, the known-GPU table's H100-80GB
 OTHERS = 0.5  # GiB, the plan's default for the CUDA context
 

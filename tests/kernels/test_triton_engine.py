@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests.test_scheduling_features import _shared_prefix_prompts  # noqa: E402
+from tests.engine.test_scheduling_features import _shared_prefix_prompts  # noqa: E402
 
 ENGINE_KWARGS = dict(
     max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=16, max_num_seqs=4,
@@ -43,7 +43,7 @@ def _run(path, backend, prompts, interpret: bool):
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
     payload = json.dumps([path, backend, ENGINE_KWARGS, prompts, MAX_TOKENS])
     proc = subprocess.run([sys.executable, "-c", SCRIPT], input=payload, capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=1200, check=False)
+                          cwd=Path(__file__).resolve().parents[2], timeout=1200, check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

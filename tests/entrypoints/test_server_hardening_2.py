@@ -260,7 +260,7 @@ COMPLETION = {"prompt": "Hi", "max_tokens": 2}
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
 ])
 def test_7_structured_output_fields_are_applied(server, path, base, field, value):
-    """Applied, not ignored (what each constraint produces: tests/test_server_structured.py)."""
+    """Applied, not ignored (what each constraint produces: tests/entrypoints/test_server_structured.py)."""
     body = {**base, field: value}
     if field == "guided_decoding_backend":
         body["guided_regex"] = "[a-z]+"
@@ -359,7 +359,7 @@ def test_9_a_non_streaming_disconnect_logs_no_traceback(server):
 
 
 def test_9_request_id_newlines_never_reach_the_log(server):
-    """Refused at admission; a newline in any client text that is logged is escaped (tests/test_log_safety.py)."""
+    """Refused at admission; a newline in any client text that is logged is escaped (tests/engine/test_log_safety.py)."""
     body = {"prompt": "Count", "max_tokens": 2, "request_id": "rid\nFORGED LINE"}
     _assert_error(_post(server, "/v1/completions", body), 400, "request_id")
     assert not any(line.startswith("FORGED") for line in server.log_tail(10**6).splitlines())

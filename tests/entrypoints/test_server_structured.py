@@ -68,7 +68,7 @@ def _stream(server, path, body) -> list[dict]:
 
 
 def _loads(text):
-    return json.loads(text, strict=False)  # see tests/test_structured_outputs.py: xgrammar's bounded strings
+    return json.loads(text, strict=False)  # see tests/structured_output/test_structured_outputs.py: xgrammar's bounded strings
 
 
 def _content(message) -> str:

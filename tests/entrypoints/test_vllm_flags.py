@@ -19,7 +19,7 @@ from kvserve.entrypoints.cli import build_parser
 from kvserve.entrypoints.openai.cli_args import add_server_args
 from kvserve.entrypoints.cli_args import add_engine_args
 
-VLLM_FLAGS = [line.strip() for line in (Path(__file__).parent / "data" / "vllm_serve_flags_0.26.0.txt").read_text()
+VLLM_FLAGS = [line.strip() for line in (Path(__file__).parents[1] / "data" / "vllm_serve_flags_0.26.0.txt").read_text()
               .splitlines() if line.strip()]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
 
 def exported_sample_names() -> set[str]:

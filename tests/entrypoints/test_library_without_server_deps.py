@@ -37,7 +37,7 @@ print(json.dumps({"tokens": list(out[0].outputs[0].token_ids),
 def test_library_and_cli_parser_import_without_server_deps(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, path, ",".join(NOT_ON_GPU_IMAGE)], capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1], check=False)
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2], check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["tokens"]) == 4 and result["leaked"] == []

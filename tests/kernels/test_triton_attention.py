@@ -1,5 +1,5 @@
 """The Triton attention backend against the torch reference (fp32): on CPU tensors under Triton's
-interpreter (tests/test_triton_interpreter.py runs this file so) and compiled on CUDA tensors (the gpu
+interpreter (tests/kernels/test_triton_interpreter.py runs this file so) and compiled on CUDA tensors (the gpu
 tier, `pytest -m gpu`): see tests/triton_interpreter.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Triton kernels' per-layer options against the dense definition and the torch backend: a sliding
 window, whose blocks left of every window are poisoned with NaN (freed blocks must never be read), and
-logit soft-capping. On CPU tensors under Triton's interpreter (tests/test_triton_interpreter.py runs this
+logit soft-capping. On CPU tensors under Triton's interpreter (tests/kernels/test_triton_interpreter.py runs this
 file so) and compiled on CUDA (the gpu tier, `pytest -m gpu`), where bf16 at Gemma-3-12B's head shapes
 is checked too."""
 

@@ -42,7 +42,7 @@ def test_quantized_smollm2_answers_paris(smollm2_source, tmp_path, method, opt, 
 
 def test_readme_quantization_example_answers_paris():
     """The README's Quantization example, run as printed: SmolLM2 with --quantization fp8 --kv-cache-dtype fp8."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if 'quantization="fp8"' in b]
     assert blocks, "README has no python block with quantization=\"fp8\""
     out = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=600, check=False)

@@ -11,7 +11,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
-from tests.test_scheduling_features import _shared_prefix_prompts
+from tests.engine.test_scheduling_features import _shared_prefix_prompts
 
 
 @pytest.fixture(scope="module")

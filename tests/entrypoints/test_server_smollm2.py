@@ -14,7 +14,7 @@ import pytest
 
 from tests.server_utils import RemoteServer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import gpu_compare
 
-BUNDLE = Path(__file__).resolve().parents[2] / "shared" / "vllm" / "vllm_bench.py"
+BUNDLE = Path(__file__).resolve().parents[3] / "shared" / "vllm" / "vllm_bench.py"
 
 
 def test_requests_are_the_bundles():

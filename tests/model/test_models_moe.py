@@ -258,7 +258,7 @@ def test_triton_fused_moe_path_in_the_engine_matches_hf(moe_model):
     parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
     payload = json.dumps([path, {**ENGINE, **parallel}, _scheduling_prompts(), MAX_TOKENS])
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], input=payload, capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[2],
                           timeout=1200, check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     run = json.loads(proc.stdout.strip().splitlines()[-1])

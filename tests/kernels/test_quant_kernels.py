@@ -150,7 +150,7 @@ def test_fp8_kv_cache_triton_equals_torch_reference(ctx_lens, q_lens, split):
     from kvserve.ops.attention_metadata import AttentionMetadata
     from kvserve.ops.torch_attention import TorchAttentionBackend, quantize_kv
     from kvserve.ops.triton_attention import TritonAttentionBackend
-    from tests.test_triton_attention import make_batch
+    from tests.kernels.test_triton_attention import make_batch
 
     q, k, v, kv_cache, meta = make_batch(ctx_lens, q_lens, seed=len(ctx_lens))
     device = q.device

@@ -5,7 +5,7 @@ blocks inside the window of its first computed token."""
 from __future__ import annotations
 
 from kvserve.core.kv_cache_manager import FREED, KVCacheManager, first_block_in_window
-from tests.test_core_kv_cache_manager import admit, req
+from tests.core.test_kv_cache_manager import admit, req
 
 BS = 4
 

@@ -21,7 +21,7 @@ from tests.conftest import random_prompts
 from tests.server_utils import RemoteServer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-W1_CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs" / "llama-3.1-8b"
+W1_CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "llama-3.1-8b"
 
 
 @pytest.fixture
