@@ -179,6 +179,9 @@ class EngineConfig:
     # Sampling defaults from the model's generation_config.json (vLLM's --generation-config auto): applied to
     # requests that leave these fields unset. Keys are SamplingParams names; max_tokens caps unset max_tokens.
     default_sampling: dict = field(default_factory=dict)
+    # --speculative-config with "method": "draft_model": the draft's files and shapes (None otherwise).
+    draft_model_path: Path | None = None
+    draft_model_config: ModelConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, count_devices: bool = True) -> "EngineConfig":
@@ -234,7 +237,10 @@ class EngineConfig:
             tokenizer_path = resolve_model_files(args.tokenizer, revision=args.tokenizer_revision,
                                                  download_dir=args.download_dir, token=args.hf_token, what="Tokenizer")
         layer_ranges = _check_parallel_layout(args, model_config, device, count_devices)
+        draft_model_path, draft_model_config = _resolve_draft_model(args, model_config, max_model_len)
         return cls(
+            draft_model_path=draft_model_path,
+            draft_model_config=draft_model_config,
             layer_ranges=layer_ranges,
             args=args,
             model_path=model_path,
@@ -254,6 +260,37 @@ class EngineConfig:
             default_sampling=default_sampling_fields(model_path, args.generation_config,
                                                      args.override_generation_config),
         )
+
+
+def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: int
+                         ) -> tuple[Path | None, ModelConfig | None]:
+    """A draft model's files and config, checked against the target: the same vocabulary (drafts are the
+    target's token ids), the target's tensor-parallel split, one pipeline stage."""
+    spec = args.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None, None
+    from kvserve.model.hub import resolve_model_files
+
+    path = resolve_model_files(spec.model, download_dir=args.download_dir, token=args.hf_token, what="Draft model")
+    cfg = ModelConfig.from_path(path, trust_remote_code=args.trust_remote_code)
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model {spec.model} has a vocabulary of {cfg.vocab_size} "
+                         f"tokens and the target {target.vocab_size}; a draft model must share the target's "
+                         f"tokenizer (its drafts are the target's token ids). Use a draft of the same family, or "
+                         f"\"method\": \"ngram\".")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"--speculative-config: the draft model {spec.model} handles {cfg.max_position_embeddings} "
+                         f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len to "
+                         f"{cfg.max_position_embeddings} or use a draft with a longer context.")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("--speculative-config: a draft model runs with --pipeline-parallel-size 1 only; use "
+                         "tensor parallelism, or \"method\": \"ngram\".")
+    misfit = _tensor_parallel_misfit(cfg, args.tensor_parallel_size)
+    if misfit:
+        raise ValueError(f"--speculative-config: the draft model is split like the target, and cannot be: {misfit} "
+                         f"(the draft's config; --tensor-parallel-size {args.tensor_parallel_size}). Choose a draft "
+                         f"whose heads split {args.tensor_parallel_size} ways.")
+    return path, cfg
 
 
 def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str,

@@ -114,7 +114,7 @@ class LLMEngine:
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
         self._drafting_now = False  # this step's decision (LLMEngine._drafting)
         if config.args.speculative_config is not None:
-            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.drafter = Drafter.from_config(config)
             self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling

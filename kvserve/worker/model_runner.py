@@ -14,6 +14,7 @@ from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_nex
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.worker import memory
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
@@ -58,6 +59,12 @@ class ModelRunner:
 
             pack_cpu_linears(self.model)
             tune_malloc_for_cpu_inference()  # before the KV cache and the first step allocate
+        # "method": "draft_model": the draft that fills the draft slots each step, its cache in the same blocks.
+        self.draft_runner = None
+        if config.draft_model_config is not None:
+            from kvserve.worker.draft_model_runner import DraftModelRunner
+
+            self.draft_runner = DraftModelRunner(config, self.backend, self.kv_cache_dtype, self._build_inputs)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
@@ -70,10 +77,12 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
+        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel), and
+        a draft model's K/V of the same tokens."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         model = self.model
-        return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        target = model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        return target + (memory.draft_kv_bytes_per_block(self.config) if self.draft_runner is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
@@ -83,6 +92,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.draft_runner is not None:
+            self.draft_runner.initialize_kv_cache(num_blocks)
 
     # ---- swap space (preemption by swapping) --------------------------------------------------------------
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
@@ -266,6 +277,8 @@ class ModelRunner:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
         batch = self.input_batch.apply(msg)
+        if self.draft_runner is not None:
+            self.draft_runner.apply(msg)
         # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
         self.swap_blocks(msg.blocks_to_swap_out, to_cpu=True)
         self.swap_blocks(msg.blocks_to_swap_in, to_cpu=False)
@@ -279,6 +292,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "calculate_kv_scales"):
                     module.calculate_kv_scales = True
+        if self.draft_runner is not None and any(s.spec_token_ids for s in batch):
+            self.draft_runner.propose(batch, self.input_batch.block_tables.gather([s.request_id for s in batch]))
         layout = self.input_batch.layout(batch)
         logits_input = None if calculate_kv_scales else self._run_graph(batch, layout)
         if logits_input is None:
