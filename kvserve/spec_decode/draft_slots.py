@@ -1,5 +1,6 @@
-"""The engine's side of `"method": "draft_model"`: the draft model runs on the workers, in the step that
-verifies its drafts (kvserve/worker/draft_model_runner.py), so the engine only reserves draft slots.
+"""The engine's side of `"method": "draft_model"` and `"eagle3"`: the draft model or head runs on the
+workers, in the step that verifies its drafts (kvserve/worker/draft_model_runner.py, eagle3_runner.py),
+so the engine only reserves draft slots.
 
 Each running request is offered k placeholder drafts; the scheduler caps and allocates them like any
 drafts, and the workers write the draft model's tokens into them before the target's forward. A request

@@ -35,7 +35,7 @@ class Drafter:
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max)
-        elif spec.method == "draft_model":
+        elif spec.method in ("draft_model", "eagle3"):
             self.proposer = DraftSlots(spec.num_speculative_tokens)
         else:
             raise ValueError(f"--speculative-config: method {spec.method} has no proposer yet")

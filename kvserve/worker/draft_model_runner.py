@@ -26,6 +26,25 @@ from kvserve.model.loader import load_model
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, RequestState, StepLayout
 
 
+def draft_layout(tables: np.ndarray, pieces: list, last_of: list[int], block_size: int) -> StepLayout:
+    """The StepLayout of a draft forward over `pieces` (batch row, first position, token ids, or None for
+    one token whose id is on the device), read at the last token of each piece listed in `last_of`."""
+    q_lens = np.fromiter((1 if t is None else len(t) for _, _, t in pieces), dtype=np.int64, count=len(pieces))
+    starts = np.fromiter((first for _, first, _ in pieces), dtype=np.int64, count=len(pieces))
+    qsl = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    block_tables = tables[[i for i, _, _ in pieces]]
+    req_idx = np.repeat(np.arange(len(pieces)), q_lens)
+    positions = np.arange(int(qsl[-1])) - qsl[req_idx] + starts[req_idx]
+    token_ids = np.fromiter((0 if t is None else x for _, _, t in pieces for x in (t or (0,))), dtype=np.int64,
+                            count=int(qsl[-1]))
+    return StepLayout(
+        token_ids=token_ids, q_lens=q_lens, starts=starts, block_tables=block_tables, query_start_loc=qsl,
+        positions=positions, slot_mapping=block_tables[req_idx, positions // block_size] * block_size
+        + positions % block_size, logits_indices=qsl[1:][last_of] - 1, sample_states=[], sampling_requests=[],
+        placeholders=NO_PLACEHOLDERS, has_drafts=False)
+
+
 class DraftModelRunner:
     def __init__(self, config: EngineConfig, backend, kv_cache_dtype: torch.dtype, build_inputs):
         """`build_inputs`: the target runner's StepLayout -> (StepInputs, AttentionMetadata), so both
@@ -115,21 +134,7 @@ class DraftModelRunner:
         """One draft forward over `pieces` (batch row, first position, token ids or None for one token
         given on the device as `input_ids`); returns the greedy next token after the last token of each
         piece listed in `last_of`."""
-        q_lens = np.fromiter((1 if t is None else len(t) for _, _, t in pieces), dtype=np.int64, count=len(pieces))
-        starts = np.fromiter((first for _, first, _ in pieces), dtype=np.int64, count=len(pieces))
-        qsl = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        block_tables = tables[[i for i, _, _ in pieces]]
-        req_idx = np.repeat(np.arange(len(pieces)), q_lens)
-        positions = np.arange(int(qsl[-1])) - qsl[req_idx] + starts[req_idx]
-        bs = self.block_size
-        token_ids = (np.zeros(len(pieces), dtype=np.int64) if input_ids is not None
-                     else np.fromiter((t for _, _, toks in pieces for t in toks), dtype=np.int64, count=int(qsl[-1])))
-        layout = StepLayout(
-            token_ids=token_ids, q_lens=q_lens, starts=starts, block_tables=block_tables, query_start_loc=qsl,
-            positions=positions, slot_mapping=block_tables[req_idx, positions // bs] * bs + positions % bs,
-            logits_indices=qsl[1:][last_of] - 1, sample_states=[], sampling_requests=[],
-            placeholders=NO_PLACEHOLDERS, has_drafts=False)
+        layout = draft_layout(tables, pieces, last_of, self.block_size)
         inputs, meta = self.build_inputs(layout)
         ids = inputs.input_ids
         if input_ids is not None:

@@ -59,12 +59,19 @@ class ModelRunner:
 
             pack_cpu_linears(self.model)
             tune_malloc_for_cpu_inference()  # before the KV cache and the first step allocate
-        # "method": "draft_model": the draft that fills the draft slots each step, its cache in the same blocks.
+        # A draft model or an EAGLE-3 head: fills the draft slots each step, its cache in the same blocks.
         self.draft_runner = None
-        if config.draft_model_config is not None:
+        spec = config.args.speculative_config
+        if spec is not None and spec.method == "draft_model":
             from kvserve.worker.draft_model_runner import DraftModelRunner
 
             self.draft_runner = DraftModelRunner(config, self.backend, self.kv_cache_dtype, self._build_inputs)
+        elif spec is not None and spec.method == "eagle3":
+            from kvserve.worker.eagle3_runner import Eagle3Runner
+
+            self.draft_runner = Eagle3Runner(config, self.model, self.backend, self.kv_cache_dtype,
+                                             self._build_inputs)
+        self.eagle = spec is not None and spec.method == "eagle3"
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
@@ -159,6 +166,10 @@ class ModelRunner:
         if self.config.attention_backend != "triton":
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
             return
+        if self.eagle:
+            logger.info("CUDA graphs are not captured with an EAGLE-3 head (the head reads the target's hidden "
+                        "states of every step); running eagerly")
+            return
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
@@ -195,6 +206,8 @@ class ModelRunner:
             zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
             intermediate = (zeros, zeros.clone())
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta, intermediate)
+        if self.eagle:
+            hidden = hidden[0]
         if not self.model.is_last_stage:
             del scratch, hidden
             return
@@ -296,6 +309,7 @@ class ModelRunner:
             self.draft_runner.propose(batch, self.input_batch.block_tables.gather([s.request_id for s in batch]))
         layout = self.input_batch.layout(batch)
         logits_input = None if calculate_kv_scales else self._run_graph(batch, layout)
+        aux = None
         if logits_input is None:
             inputs, meta = self._build_inputs(layout)
             if meta.max_query_len == 1:
@@ -306,6 +320,8 @@ class ModelRunner:
                 shape = (meta.num_actual_tokens, self.model_config.hidden_size)
                 intermediate = recv_from_prev_stage([shape, shape], self.dtype, self.device)
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, meta, intermediate)
+            if self.eagle:  # the target also returns the states its head reads
+                hidden, aux = hidden
             if not model.is_last_stage:  # only the last stage computes logits and samples
                 send_to_next_stage(list(hidden))
                 return PendingOutput.empty()
@@ -316,6 +332,8 @@ class ModelRunner:
                 batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
         if not layout.sample_states:
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
         requests = layout.sampling_requests
@@ -330,7 +348,11 @@ class ModelRunner:
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
+        if aux is not None:
+            self.draft_runner.observe(batch, layout, inputs, meta, aux, verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)
