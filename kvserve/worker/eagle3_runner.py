@@ -42,6 +42,14 @@ class _HeadOutputs:
     rows: dict[str, tuple[int, int, int]]  # request id -> (first row, its position, number of rows)
 
 
+def _head_weights(path):
+    """The head's tensors: safetensors, or the pytorch_model.bin that some public heads ship instead (read
+    as plain tensors: weights_only runs no pickled code)."""
+    if not any(path.glob("*.safetensors")) and (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True).items()
+    return iter_safetensors_weights(path)
+
+
 class Eagle3Runner:
     def __init__(self, config: EngineConfig, target_model, backend, kv_cache_dtype: torch.dtype, build_inputs):
         self.device = torch.device(config.device)
@@ -63,7 +71,7 @@ class Eagle3Runner:
             self.head.d2t.zero_()
             loaded = {n for n, _ in self.head.named_parameters()}
         else:
-            loaded = self.head.load_weights(iter_safetensors_weights(path))
+            loaded = self.head.load_weights(_head_weights(path))
         if "embed_tokens.weight" not in loaded:  # heads saved without one read the target's
             self.head.share_embedding(target_model.embed_tokens)
         missing = {n for n, _ in self.head.named_parameters() if not n.startswith("embed_tokens")} - loaded

@@ -146,3 +146,14 @@ def test_a_head_for_another_vocabulary_is_refused(target, tmp_path):
         "draft_vocab_size": 100}))
     with pytest.raises(ValueError, match="--speculative-config: .*vocabulary \\(1000\\) is not the target's"):
         EngineArgs(model=target[0], speculative_config=_spec(str(tmp_path))).create_engine_config()
+
+
+def test_a_head_saved_as_pytorch_model_bin_proposes_the_same_drafts(target, head, tmp_path):
+    import shutil
+
+    path, (head_path, sd) = target[0], head
+    shutil.copy(f"{head_path}/config.json", tmp_path / "config.json")
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    tokens, _, totals = _run(path, ROOMY, _spec(str(tmp_path)))
+    expected_tokens, _, expected_totals = _run(path, ROOMY, _spec(head_path))
+    assert tokens == expected_tokens and totals == expected_totals and totals.num_drafts > 0
