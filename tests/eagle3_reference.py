@@ -61,3 +61,37 @@ def reference_chain(sd, tokens, aux, k: int, num_heads: int, num_kv_heads: int, 
         ids.append(drafts[-1])
         hidden = torch.cat([hidden, prenorm[-1:]])  # the new position reads the previous pre-norm state
     return drafts
+
+
+def save_random_head(path, hidden: int, num_heads: int, num_kv_heads: int, intermediate: int, vocab: int,
+                     draft_vocab: int, aux_layers: list[int], seed: int = 5) -> dict:
+    """A random EAGLE-3 head for a target of width `hidden` in the public layout (config.json and
+    model.safetensors, no embedding of its own: it reads the target's) at `path`; returns its tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    q, kv = hidden, num_kv_heads * hidden // num_heads
+    sd = {
+        "fc.weight": r(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": 1 + r(hidden), "midlayer.hidden_norm.weight": 1 + r(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + r(hidden),
+        "midlayer.self_attn.q_proj.weight": r(q, 2 * hidden), "midlayer.self_attn.k_proj.weight": r(kv, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": r(kv, 2 * hidden), "midlayer.self_attn.o_proj.weight": r(hidden, q),
+        "midlayer.mlp.gate_proj.weight": r(intermediate, hidden), "midlayer.mlp.up_proj.weight": r(intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": r(hidden, intermediate),
+        "norm.weight": 1 + r(hidden), "lm_head.weight": r(draft_vocab, hidden) * 5,
+        # A reduced vocabulary: draft id i is target id sorted(random subset)[i], stored as an offset.
+        "d2t": torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool),
+    }
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "intermediate_size": intermediate,
+        "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}}))
+    return sd

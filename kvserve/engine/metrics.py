@@ -27,7 +27,7 @@ _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
 # The draft budget's reasons (spec_decode/draft_budget.py BudgetChoice.reason).
-SPEC_DECODE_REASONS = ("on", "probe", "batch size", "acceptance")
+SPEC_DECODE_REASONS = ("on", "probe", "batch size", "draft cost", "acceptance")
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -96,7 +96,7 @@ class EngineMetrics:
         # Why drafts are on or off now: 1 on the draft budget's current reason, 0 on the others.
         self._spec_decode_state = Gauge(
             PREFIX + "spec_decode_state", "Speculative decoding now: 1 on the draft budget's reason (on, probe, or "
-            "turned down by batch size or acceptance).", labels + ["reason"], registry=self.registry)
+            "turned down by batch size, draft cost or acceptance).", labels + ["reason"], registry=self.registry)
         self._spec_decode_totals = None  # the last SpecDecodeStats seen
 
         # The engine reports cumulative totals; counters advance by the difference.
@@ -196,7 +196,7 @@ class ThroughputLog:
             spec = getattr(stats, "spec_decode", None)
             if spec is not None:
                 reason = getattr(stats, "speculation_reason", None)
-                turned = f" (turned down: {reason})" if reason in ("batch size", "acceptance") else ""
+                turned = f" (turned down: {reason})" if reason not in (None, "on", "probe") else ""
                 logger.info("SpecDecoding metrics: %s; draft tokens per request now: %s%s",
                             spec.since(self._last_spec_decode or SpecDecodeStats()).log_text(),
                             stats.num_speculative_tokens, turned)

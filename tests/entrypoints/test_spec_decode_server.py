@@ -49,10 +49,10 @@ def test_metrics_and_dashboard_show_acceptance_and_why(server):
     drafts = samples['kvserve:spec_decode_num_drafts_total{model_name="' + _model(server) + '"}']
     accepted = samples['kvserve:spec_decode_num_accepted_tokens_total{model_name="' + _model(server) + '"}']
     states = {k: v for k, v in samples.items() if k.startswith("kvserve:spec_decode_state{")}
-    assert sum(states.values()) == 1 and len(states) == 4  # one reason at a time, each named
+    assert sum(states.values()) == 1 and len(states) == 5  # one reason at a time, each named
     snap = httpx.get(server.url + "/dashboard/snapshot", timeout=30).json()["speculation"]
     assert snap["acceptance_length"] == pytest.approx(1 + accepted / drafts)
-    assert snap["reason"] in ("on", "probe", "batch size", "acceptance")
+    assert snap["reason"] in ("on", "probe", "batch size", "draft cost", "acceptance")
     assert states[f'kvserve:spec_decode_state{{model_name="{_model(server)}",reason="{snap["reason"]}"}}'] == 1
 
 

@@ -14,7 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.worker.input_batch import RequestState
 from tests.conftest import TINY_VOCAB, random_prompts
-from tests.eagle3_reference import reference_chain
+from tests.eagle3_reference import reference_chain, save_random_head
 
 K = 3
 H, HEADS, KV_HEADS, INTER, DRAFT_VOCAB = 64, 4, 2, 96, 700
@@ -50,32 +50,8 @@ def target(tmp_path_factory, smol_tokenizer):
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """(path, state dict) of a random EAGLE-3 head in the public layout, without its own embedding."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(5)
-    r = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
-    q, kv = H, KV_HEADS * H // HEADS
-    sd = {
-        "fc.weight": r(H, 3 * H),
-        "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
-        "midlayer.post_attention_layernorm.weight": 1 + r(H),
-        "midlayer.self_attn.q_proj.weight": r(q, 2 * H), "midlayer.self_attn.k_proj.weight": r(kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": r(kv, 2 * H), "midlayer.self_attn.o_proj.weight": r(H, q),
-        "midlayer.mlp.gate_proj.weight": r(INTER, H), "midlayer.mlp.up_proj.weight": r(INTER, H),
-        "midlayer.mlp.down_proj.weight": r(H, INTER),
-        "norm.weight": 1 + r(H), "lm_head.weight": r(DRAFT_VOCAB, H) * 5,
-        "d2t": torch.sort(torch.randperm(TINY_VOCAB, generator=g)[:DRAFT_VOCAB]).values - torch.arange(DRAFT_VOCAB),
-        "t2d": torch.zeros(TINY_VOCAB, dtype=torch.bool),
-    }
     path = tmp_path_factory.mktemp("eagle3-head")
-    save_file(sd, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": INTER,
-        "num_hidden_layers": 1, "vocab_size": TINY_VOCAB, "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": H,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}}))
-    return str(path), sd
+    return str(path), save_random_head(path, H, HEADS, KV_HEADS, INTER, TINY_VOCAB, DRAFT_VOCAB, AUX_LAYERS)
 
 
 def _run(path: str, engine: dict, spec: dict | None = None, record: list | None = None, **flags):
