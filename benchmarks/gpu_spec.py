@@ -248,38 +248,46 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="a CPU check of the script, not a measurement")
+    ap.add_argument("--parts", default="a,b,c", help="which parts to run (b includes b2), e.g. b,c")
     args = ap.parse_args()
     global size, DTYPE
     if args.tiny:
         size, DTYPE = SIZES["tiny"], "float32"
     os.makedirs(args.out, exist_ok=True)
     path = write_config(TINY_CONFIG if args.tiny else W1_CONFIG)
-    results = {"a_smollm2_ngram": part_a(args.quick)}
-    b = results["b_8b_verify"] = part_b(path, args.quick)
-    results["b2_8b_oracle_draft"] = part_b2(path, args.quick, b.pop("reference"), b["plain_tok_s"])
-    results["c_8b_batch"] = part_c(path, args.quick)
+    parts = set(args.parts.split(","))
+    results = {}
+    if "a" in parts:
+        results["a_smollm2_ngram"] = part_a(args.quick)
+    if "b" in parts:
+        b = results["b_8b_verify"] = part_b(path, args.quick)
+        results["b2_8b_oracle_draft"] = part_b2(path, args.quick, b.pop("reference"), b["plain_tok_s"])
+    if "c" in parts:
+        results["c_8b_batch"] = part_c(path, args.quick)
     with open(os.path.join(args.out, "gpu_spec_tiny.json" if args.tiny else "gpu_spec.json"), "w") as f:
         json.dump(results, f, indent=1)
-    a, b, b2, c = (results[k] for k in ("a_smollm2_ngram", "b_8b_verify", "b2_8b_oracle_draft", "c_8b_batch"))
     print("\n| measure | value | identical tokens |")
     print("|---|---|---|")
-    print(f"| (a) SmolLM2 batch-1, off / ngram tok/s | {a['off_tok_s']:.1f} / {a['ngram_tok_s']:.1f} "
-          f"({a['speedup']:.2f}x), acceptance length {a['acceptance_length'] or 0:.2f} | {a['identical']} |")
-    print(f"| (b) 8B plain decode step | {b['plain_step_ms']:.2f} ms ({b['plain_tok_s']:.1f} tok/s) | |")
-    for v in b["verify"]:
-        print(f"| (b) 8B verify step k={v['k']} (all accepted) | {v['step_ms']:.2f} ms = {v['vs_decode']:.2f}x "
-              f"decode; {v['tok_s']:.1f} tok/s | {v['identical']} |")
-    for r in b["acceptance"]:
-        print(f"| (b) 8B batch-1 k={r['k']}, drafts right p={r['p_right']} (accepted {r['accept_rate']:.0%}) | "
-              f"{r['tok_s']:.1f} tok/s = {r['speedup']:.2f}x | {r['identical']} |")
-    print(f"| (b2) 8B batch-1, draft_model = the target (oracle), k=4 pinned on | {b2['tok_s']:.1f} tok/s = "
-          f"{b2['vs_plain']:.2f}x plain, accepted {b2['accept_rate']:.0%}, acceptance length "
-          f"{b2['acceptance_length'] or 0:.2f}; unpinned the budget chose {b2['unpinned_choice'][0]} "
-          f"({b2['unpinned_choice'][1]}) | {b2['identical']} |")
-    for batch, r in c.items():
+    a = results.get("a_smollm2_ngram")
+    if a:
+        print(f"| (a) SmolLM2 batch-1, off / ngram tok/s | {a['off_tok_s']:.1f} / {a['ngram_tok_s']:.1f} "
+              f"({a['speedup']:.2f}x), acceptance length {a['acceptance_length'] or 0:.2f} | {a['identical']} |")
+    b, b2 = results.get("b_8b_verify"), results.get("b2_8b_oracle_draft")
+    if b:
+        print(f"| (b) 8B plain decode step | {b['plain_step_ms']:.2f} ms ({b['plain_tok_s']:.1f} tok/s) | |")
+        for v in b["verify"]:
+            print(f"| (b) 8B verify step k={v['k']} (all accepted) | {v['step_ms']:.2f} ms = {v['vs_decode']:.2f}x "
+                  f"decode; {v['tok_s']:.1f} tok/s | {v['identical']} |")
+        for r in b["acceptance"]:
+            print(f"| (b) 8B batch-1 k={r['k']}, drafts right p={r['p_right']} (accepted {r['accept_rate']:.0%}) | "
+                  f"{r['tok_s']:.1f} tok/s = {r['speedup']:.2f}x | {r['identical']} |")
+        print(f"| (b2) 8B batch-1, draft_model = the target (oracle), k=4 pinned on | {b2['tok_s']:.1f} tok/s = "
+              f"{b2['vs_plain']:.2f}x plain, accepted {b2['accept_rate']:.0%}, acceptance length "
+              f"{b2['acceptance_length'] or 0:.2f}; unpinned the budget chose {b2['unpinned_choice'][0]} "
+              f"({b2['unpinned_choice'][1]}) | {b2['identical']} |")
+    for batch, r in results.get("c_8b_batch", {}).items():
         print(f"| (c) 8B batch {batch}, off / ngram tok/s | {r['off_tok_s']:.0f} / {r['ngram_tok_s']:.0f} = "
               f"{r['ratio']:.3f}x (>= 0.97 required; {r['draft_tokens']} draft tokens) | {r['identical']} |")
-
 
 if __name__ == "__main__":
     main()
