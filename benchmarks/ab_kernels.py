@@ -218,9 +218,7 @@ def int4(rows_out: list, sweep: bool = False) -> None:
             else:
                 old_name, old = "dequant+cuBLAS", lambda i: torch.matmul(x, dequantize_int(*args(i), x.dtype))
             path = rule.int_path(m)
-            mma_config = path.config if path.kernel == "mma" else rule.int_path(rule.SKINNY_MAX_M + 1).config
-            if m <= 16:
-                mma_config = (mma_config[0], 16, *mma_config[2:])
+            mma_config = rule.mma_config(m)
             row = {"section": "int4", "shape": name, "K": k, "N": n, "M": m, "old": old_name,
                    "old_run": _timed(old, copies, ref), "new_config": mma_config,
                    "new_run": _timed(lambda i: mma_int_gemm(x, *args(i), mma_config), copies, ref),
@@ -250,7 +248,7 @@ GEMV_CANDIDATES = {1: [(16, 512, 4, 3), (32, 256, 4, 4), (8, 1024, 4, 3), (16, 1
 
 
 def fp8(rows_out: list, sweep: bool = False) -> None:
-    from kvserve.model.quantization.fp8_matmul import fp8_path
+    from kvserve.model.quantization.fp8_matmul import GEMV_CONFIGS, fp8_path
     from kvserve.ops import fp8_quant
     from kvserve.ops.triton_fp8_gemm import w8a16_gemm
     from kvserve.ops.triton_fp8_gemv import MAX_ROWS, fp8_gemv
@@ -275,7 +273,7 @@ def fp8(rows_out: list, sweep: bool = False) -> None:
                    "old_run": _timed(old, copies, ref), "selected": path.kernel, "bytes": k * n,
                    "flops": 2 * m * k * n}
             if m <= MAX_ROWS:
-                config = path.config if path.kernel == "gemv" else fp8_path(1 if m == 1 else MAX_ROWS).config
+                config = GEMV_CONFIGS[1 if m == 1 else MAX_ROWS]
                 row["new_config"] = config
                 row["new_run"] = _timed(lambda i: fp8_gemv(x, *layers[i], config), copies, ref)
                 if sweep:
@@ -325,9 +323,28 @@ def _print_quant_tables(rows: list, section: str, table) -> list:
         (ou, og, ot, oe), (nu, ng, nt, ne) = cells
         print(f"| {r['shape']} {r['K']}->{r['N']} | {r['M']} | {r['old']} | {ou} | {og} | {ot} | {nu} | {ng} | {nt} | "
               f"{ratio} | {oe} / {ne} | {r['selected']} | {best} |")
-    print(f"\n{section} selection table (max rows, kernel, config):")
+    print(f"\n{section}: the engine's selection table now (max rows, kernel, config):")
     for entry in table:
         print(f"  {tuple(entry)}")
+    # Per bucket of the table: the new kernel's and the old path's time summed over the four shapes (one
+    # decoder layer's linears); the new kernel should serve the bucket where it wins at every M measured.
+    print(f"{section}: new kernel vs old path per bucket, summed over the shapes (us):")
+    low = 0
+    for entry in table:
+        ms = sorted({r["M"] for r in sel if low < r["M"] <= entry[0]})
+        wins = []
+        for m in ms:
+            at_m = [r for r in sel if r["M"] == m]
+            if all("us" in (r.get("new_run") or {}) and "us" in (r.get("old_run") or {}) for r in at_m):
+                old_us = sum(r["old_run"]["us"] for r in at_m)
+                new_us = sum(r["new_run"]["us"] for r in at_m)
+                wins.append(new_us < old_us)
+                print(f"  M={m}: old {old_us:.1f}, new {new_us:.1f} -> {'new' if new_us < old_us else 'old'}"
+                      f" (selected: {entry[1]})")
+        if wins:
+            verdict = "new kernel" if all(wins) else "old path"
+            print(f"  bucket up to {entry[0]} rows: the measurement supports the {verdict}")
+        low = entry[0]
     return bad
 
 

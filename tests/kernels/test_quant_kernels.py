@@ -147,11 +147,18 @@ def _uses_bf16_dot(path, rows: int) -> bool:
                                                                                        INT_IDS[5]])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40, 256, 300])  # skinny M=1, skinny dot, mma, dequant + matmul
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int_matmul_dispatch(method, opt, rows, dtype):
+@pytest.mark.parametrize("table", ["engine", "mma"])  # the table as it is; with the mma kernel in its buckets
+def test_int_matmul_dispatch(method, opt, rows, dtype, table, monkeypatch):
     """The engine's entry point at every path its table picks by M, against the reference
     dequantize-then-matmul in fp32; bf16 as served (scales, zeros and activations)."""
+    from kvserve.model.quantization import int_matmul as rule
     from kvserve.model.quantization.int_matmul import int_matmul, int_path
     from kvserve.model.quantization.int_weights import IntWeights
+
+    if table == "mma":
+        monkeypatch.setattr(rule, "INT_PATHS", tuple(
+            rule.IntPath(p.max_rows, "mma", rule.mma_config(p.max_rows)) if rule.SKINNY_MAX_M < p.max_rows <= 256
+            else p for p in rule.INT_PATHS))
 
     if INTERPRETED and dtype == torch.bfloat16 and _uses_bf16_dot(int_path(rows), rows):
         pytest.skip("the interpreter's tl.dot gives garbage for bf16 operands")
@@ -323,16 +330,20 @@ def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 40])
-def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatch):
+@pytest.mark.parametrize("decode_kernel", ["w8a16", "gemv"])
+def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, decode_kernel, monkeypatch):
     """Fp8LinearMethod.apply's GPU path on the CPU: torch._scaled_mm (no CPU FP8 GEMM) is replaced by its
     definition. Where fp8_matmul's table says, a W8A16 kernel runs (activations unquantized: close to the
     dequantized reference); above, the Triton per-token quantization feeds _scaled_mm with exactly the
     reference quantize_per_token's bytes and scales."""
     from torch import nn
 
-    from kvserve.model.quantization import fp8
+    from kvserve.model.quantization import fp8, fp8_matmul
     from kvserve.model.quantization.fp8_matmul import fp8_path
 
+    monkeypatch.setattr(fp8_matmul, "FP8_PATHS", tuple(
+        fp8_matmul.Fp8Path(p.max_rows, decode_kernel, fp8_matmul.GEMV_CONFIGS[p.max_rows] if decode_kernel == "gemv"
+                           else None) if p.kernel != "scaled_mm" else p for p in fp8_matmul.FP8_PATHS))
     k, n = 256, 96
     q, scale, ref_w = _fp8_weight(n, k)
     calls = []
