@@ -139,7 +139,7 @@ def main():
         # An A/B row for the rule that picks a kernel by rows (read at call time; each engine captures its own
         # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode).
         "fp8-scaled-mm-only": {"quantization": "fp8",
-                               KNOBS: {"kvserve.model.quantization.triton_fp8_gemm.MAX_ROWS": 0}},
+                               KNOBS: {"kvserve.ops.triton_fp8_gemm.MAX_ROWS": 0}},
         # A/B of the fused activation quantization: RMSNorm and SiLU*mul write bf16 and each FP8 linear
         # quantizes its own input (one more kernel and one more read + write of every GEMM input).
         "fp8-unfused-quant": {"quantization": "fp8",
