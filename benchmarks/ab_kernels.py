@@ -286,8 +286,10 @@ def fp8(rows_out: list, sweep: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-def _print_quant_tables(rows: list, section: str, table) -> list:
-    """The section's markdown table and selection table; returns the rows whose error is over tolerance."""
+def _print_quant_tables(rows: list, section: str, table, measured: dict) -> list:
+    """The section's markdown table and selection table; returns the rows whose error is over tolerance.
+    measured[section] becomes the selection table the measurement supports: a bucket takes the new kernel (with
+    the launch measured at the bucket's largest M) where it won at every M measured in the bucket."""
     bad = []
     sel = [r for r in rows if r["section"] == section]
     if not sel:
@@ -341,11 +343,20 @@ def _print_quant_tables(rows: list, section: str, table) -> list:
                 wins.append(new_us < old_us)
                 print(f"  M={m}: old {old_us:.1f}, new {new_us:.1f} -> {'new' if new_us < old_us else 'old'}"
                       f" (selected: {entry[1]})")
+        supported = tuple(entry)
         if wins:
             verdict = "new kernel" if all(wins) else "old path"
             print(f"  bucket up to {entry[0]} rows: the measurement supports the {verdict}")
+            if all(wins):
+                widest = max((r for r in sel if r["M"] in ms), key=lambda r: r["M"])
+                supported = (entry[0], NEW_KERNEL[section], tuple(widest["new_config"]))
+        measured.setdefault(section, []).append(supported)
         low = entry[0]
     return bad
+
+
+# The kernel name a selection table gives the new kernel of each section.
+NEW_KERNEL = {"int4": "mma", "fp8": "gemv"}
 
 
 SECTIONS = {"int4": int4, "fp8": fp8, "fp8-fusion": fp8_fusion, "prefill": prefill}
@@ -385,7 +396,13 @@ def main():
     from kvserve.model.quantization.int_matmul import INT_PATHS
 
     bad = [r for r in rows if r.get("same_output") is False or r.get("max_abs_diff_vs_current", 0) > 0.05]
-    bad += _print_quant_tables(rows, "int4", INT_PATHS) + _print_quant_tables(rows, "fp8", FP8_PATHS)
+    measured: dict = {}
+    bad += (_print_quant_tables(rows, "int4", INT_PATHS, measured)
+            + _print_quant_tables(rows, "fp8", FP8_PATHS, measured))
+    if measured:  # benchmarks/gpu_compare.py --kernel-paths runs the engine with these tables
+        with open(os.path.join(args.out, "kernel_paths.json"), "w") as f:
+            json.dump({"INT_PATHS" if s == "int4" else "FP8_PATHS": entries for s, entries in measured.items()}, f)
+        print("selection tables the measurement supports:", json.dumps(measured))
     raise SystemExit(1 if bad else 0)
 
 

@@ -142,6 +142,22 @@ def kernel_profile(llm, reqs, label: str, top: int = 12) -> dict:
 
 
 # ---- kvserve -------------------------------------------------------------------------------------
+def apply_kernel_paths(path: str, res: dict) -> None:
+    """The quantized-linear selection tables written by `benchmarks/ab_kernels.py` on this machine
+    (kernel_paths.json), in place of the ones in the code, for the whole part; kept in the results."""
+    from kvserve.model.quantization import fp8_matmul, int_matmul
+
+    with open(path) as f:
+        tables = json.load(f)
+    kinds = {"INT_PATHS": (int_matmul, int_matmul.IntPath), "FP8_PATHS": (fp8_matmul, fp8_matmul.Fp8Path)}
+    for name, entries in tables.items():
+        module, entry = kinds[name]
+        setattr(module, name, tuple(entry(rows, kernel, None if config is None else tuple(config))
+                                    for rows, kernel, config in entries))
+        print(f"kernel paths: {name} = {getattr(module, name)}", flush=True)
+    res["kernel_paths"] = tables
+
+
 def run_kvserve_part(args) -> None:
     import torch
 
@@ -178,6 +194,8 @@ def run_kvserve_part(args) -> None:
         res[name] = rows
         save(args.results, "kvserve.json", res)
 
+    if args.kernel_paths:
+        apply_kernel_paths(args.kernel_paths, res)
     awq_tensors = float_params = None
     for label in args.configs.split(","):
         name, knobs = AB_CONFIGS.get(label, (label, {}))
@@ -325,6 +343,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the per-kernel profile kept for each configuration")
+    ap.add_argument("--kernel-paths", default=None,
+                    help="kernel_paths.json from benchmarks/ab_kernels.py: the quantized-linear selection tables to use")
     ap.add_argument("--commit", default=None, help="the kvserve commit measured (default: git, else $KVSERVE_COMMIT)")
     args = ap.parse_args()
     dirs, args.results = args.results, args.results[0]
