@@ -92,6 +92,9 @@ FIELDS: dict[str, tuple[Rule, bool]] = {
     "decoder_sparse_step": (NON_NEGATIVE_INT, OPTIONAL),
     "mlp_only_layers": (INDICES, OPTIONAL),
     "norm_topk_prob": (BOOL, OPTIONAL),
+    # gpt-oss: its experts' clamped SwiGLU
+    "swiglu_alpha": (POSITIVE_NUMBER, OPTIONAL),
+    "swiglu_limit": (POSITIVE_NUMBER, OPTIONAL),
 }
 # Rope settings: `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5, per layer type for
 # Gemma 3) hold the same keys.
@@ -108,6 +111,12 @@ for _rope in ROPE_SETTINGS:
         f"{_rope}.low_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
         f"{_rope}.high_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
         f"{_rope}.original_max_position_embeddings": (POSITIVE_INT, OPTIONAL),
+        # YaRN (gpt-oss, DeepSeek)
+        f"{_rope}.beta_fast": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.beta_slow": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.mscale": (NUMBER, OPTIONAL),
+        f"{_rope}.mscale_all_dim": (NUMBER, OPTIONAL),
+        f"{_rope}.truncate": (BOOL, OPTIONAL),
     })
 
 
@@ -132,8 +141,10 @@ def _rope_has_what_its_kind_needs(rope) -> bool:
     if not isinstance(rope, dict):  # absent
         return True
     kind = _rope_kind(rope)
-    if kind in ("linear", "llama3") and rope.get("factor") is None:
+    if kind in ("linear", "llama3", "yarn") and rope.get("factor") is None:
         return False
+    if kind == "yarn":
+        return rope.get("original_max_position_embeddings") is not None
     if kind == "llama3":
         low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
         return rope.get("original_max_position_embeddings") is not None and low < high
@@ -156,12 +167,12 @@ RELATIONS: list[tuple[tuple[str, ...], Callable[[dict], bool], str]] = [
      or c["num_experts_per_tok"] <= (c.get("num_experts") or c.get("num_local_experts") or c["num_experts_per_tok"]),
      "num_experts_per_tok must be at most the number of experts"),
     (("architectures", "num_experts", "moe_intermediate_size", "num_experts_per_tok"),
-     lambda c: not (c.get("num_experts") or c.get("num_local_experts")) or "MixtralForCausalLM" in
-     (c.get("architectures") or []) or (_present(c, "moe_intermediate_size") and _present(c, "num_experts_per_tok")),
+     lambda c: not (c.get("num_experts") or c.get("num_local_experts"))
+     or {"MixtralForCausalLM", "GptOssForCausalLM"} & set(c.get("architectures") or []) or (_present(c, "moe_intermediate_size") and _present(c, "num_experts_per_tok")),
      "a mixture-of-experts config (num_experts > 0) needs moe_intermediate_size and num_experts_per_tok"),
     *(((rope,), lambda c, rope=rope: _rope_has_what_its_kind_needs(value_at(c, rope)),
-        f"{rope} of rope_type linear needs factor; llama3 needs factor, original_max_position_embeddings and "
-        f"low_freq_factor < high_freq_factor") for rope in ROPE_SETTINGS),
+        f"{rope} of rope_type linear needs factor; yarn needs factor and original_max_position_embeddings; "
+        f"llama3 needs factor, original_max_position_embeddings and low_freq_factor < high_freq_factor") for rope in ROPE_SETTINGS),
 ]
 
 

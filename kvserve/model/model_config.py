@@ -39,6 +39,19 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate (0: none)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # How the router turns logits into top-k weights: "softmax_topk" (softmax over all experts, then top-k) or
+    # "topk_softmax" (gpt-oss: top-k logits, then a softmax over those k).
+    moe_router: str = "softmax_topk"
+    moe_bias: bool = False  # gpt-oss: biases on the router and on every expert's projections
+    # The experts' gate activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: clamped at
+    # swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss attention: a learned logit per head joins each softmax's denominator (attention sinks); o_proj
+    # has a bias too.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
     # --- Per-layer attention, and what the Gemma / Phi-3 families differ in (read by _family_fields) ---
     layer_windows: list[int | None] = field(default_factory=list)  # per layer: its window, or None (full)
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> C * tanh(scores / C)
@@ -164,15 +177,18 @@ class ModelConfig:
         kv = self.num_key_value_heads * self.head_dim
         attention = h * (q + 2 * kv) + q * h + 2 * h
         attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        attention += (h if self.o_proj_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         moe = self.num_moe_layers
         dense_mlps = (self.num_hidden_layers - moe) * 3 * h * i
         shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
-        routed = moe * (experts_per_moe_layer * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared)
+        expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.moe_bias else 0)
+        router = h * self.num_experts + (self.num_experts if self.moe_bias else 0)
+        routed = moe * (experts_per_moe_layer * expert + router + shared)
         return (self.num_hidden_layers * attention + dense_mlps + routed
                 + v * h * (1 if self.tie_word_embeddings else 2) + h)
 
 
-_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")  # bias on q/k/v unless the config says otherwise
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:
@@ -185,6 +201,11 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, top-k renormalised
         return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch == "GptOssForCausalLM":  # every layer sparse; a softmax over the top-k logits; biased experts
+        return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 4),
+                    moe_intermediate_size=cfg["intermediate_size"], moe_router="topk_softmax", moe_bias=True,
+                    moe_activation="swiglu_oai", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
     return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -239,6 +260,9 @@ def _family_fields(arch: str, cfg: dict) -> dict:
         fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
         fields["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
         fields["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
+    if arch == "GptOssForCausalLM":
+        fields["attention_sinks"] = True
+        fields["o_proj_bias"] = bool(cfg.get("attention_bias", True))  # the o_proj bias goes with the q/k/v ones
     if arch == "GraniteForCausalLM":
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             if cfg.get(name) is not None:

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "kvserve.model.llama_moe:Qwen2MoeForCausalLM"),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "kvserve.model.llama_moe:Qwen3MoeForCausalLM"),
         Architecture("MixtralForCausalLM", "mixtral", "kvserve.model.llama_moe:MixtralForCausalLM"),
+        Architecture("GptOssForCausalLM", "gpt_oss", "kvserve.model.gpt_oss:GptOssForCausalLM"),
         Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
         Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
         Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
@@ -37,8 +38,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # Architectures people ask for that are not built yet: what each one lacks, for the refusal.
 MISSING: dict[str, str] = {
-    "GptOssForCausalLM": "gpt-oss needs attention sinks, sliding-window layers, its clamped SwiGLU expert "
-                         "activation with biases, and MXFP4 expert weights, which kvserve does not implement yet",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 needs multi-head latent attention (a compressed KV cache) and grouped "
+                             "sigmoid routing, which kvserve does not implement yet",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-head latent attention (a compressed KV cache) and grouped "
+                             "routing, which kvserve does not implement yet",
 }
 _BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
 
