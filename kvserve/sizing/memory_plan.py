@@ -62,6 +62,10 @@ class RankShape:
     moe_intermediate_size: int = 0  # per rank, of each local expert
     shared_expert_intermediate_size: int = 0  # per rank
     num_experts_per_tok: int = 0
+    # gpt-oss: biased router and experts, an o_proj bias and a float32 sink logit per head.
+    moe_bias: bool = False
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
 
 
 def pipeline_layers(num_layers: int, pp: int) -> list[int]:
@@ -86,7 +90,7 @@ def _moe_shape(cfg, tp: int, expert_parallel: bool, first_layer: int, num_layers
         local, inter = experts, cfg.moe_intermediate_size // tp
     return dict(moe_layers=moe_layers, num_experts=experts, num_local_experts=local, moe_intermediate_size=inter,
                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
-                num_experts_per_tok=cfg.num_experts_per_tok)
+                num_experts_per_tok=cfg.num_experts_per_tok, moe_bias=getattr(cfg, "moe_bias", False))
 
 
 def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) -> list[RankShape]:
@@ -118,6 +122,8 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             tie_word_embeddings=cfg.tie_word_embeddings,
             attention_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
+            o_proj_bias=getattr(cfg, "o_proj_bias", False),
+            attention_sinks=getattr(cfg, "attention_sinks", False),
             **_moe_shape(cfg, tp, expert_parallel, first, n),
         )
         for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
@@ -157,12 +163,16 @@ def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = 
         + 2 * h * dtype_bytes  # input and post-attention norms
         + ((q + 2 * kv) * dtype_bytes if shape.attention_bias else 0)
         + (2 * hd * dtype_bytes if shape.qk_norm else 0)
+        + (h * dtype_bytes if shape.o_proj_bias else 0)
+        + (shape.num_heads * 4 if shape.attention_sinks else 0)
     )
     total = shape.num_layers * attention + (shape.num_layers - shape.moe_layers) * _mlp_bytes(
         h, shape.intermediate_size, dtype_bytes, quantization)
     if shape.moe_layers:
         moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, quantization)
         moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
+        if shape.moe_bias:  # the router's, and each local expert's gate_up and down biases
+            moe += (shape.num_experts + shape.num_local_experts * (2 * shape.moe_intermediate_size + h)) * dtype_bytes
         if shape.shared_expert_intermediate_size:
             moe += _mlp_bytes(h, shape.shared_expert_intermediate_size, dtype_bytes, quantization) + h * dtype_bytes
         total += shape.moe_layers * moe
@@ -288,10 +298,14 @@ def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[str, int]] | N
 def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: int, tie_word_embeddings: bool
                             ) -> int:
     """Bytes the loaded model holds: float tensors are cast to the serving dtype, packed/quantized tensors
-    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded."""
+    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded. MXFP4 experts (gpt-oss:
+    `_blocks` of two values a byte, `_scales`) are dequantized at load to the serving dtype."""
     total = 0
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
+            continue
+        if dtype == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
+            total += 2 * numel * dtype_bytes if name.endswith("_blocks") else 0
             continue
         if dtype in _SAFETENSORS_FLOAT:
             total += numel * dtype_bytes

@@ -177,3 +177,28 @@ def test_mxfp4_checkpoint_missing_scales_is_refused(gpt_oss, tmp_path):
     save_file(state, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="down_proj_blocks but no model.layers.1.mlp.experts.down_proj_scales"):
         LLM(str(broken), max_model_len=128, kv_cache_memory_bytes=16 << 20)
+
+
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_memory_plan_counts_each_ranks_weights(gpt_oss, monkeypatch, tp, expert_parallel):
+    """The plan's per-rank weight bytes equal the parameters the model builds on that rank (biases and sinks
+    included)."""
+    from kvserve.distributed import parallel_state
+    from kvserve.model.registry import model_class
+    from kvserve.sizing import memory_plan
+
+    cfg = ModelConfig.from_path(gpt_oss[0])
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=tp - 1, world_size=tp, tp_size=tp, expert_parallel=expert_parallel))
+    model = model_class(cfg.architecture)(cfg, None, 64)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert memory_plan.weight_bytes(memory_plan.rank_shapes(cfg, tp, 1, expert_parallel)[0], 4) == built
+
+
+def test_plan_counts_mxfp4_experts_dequantized():
+    from kvserve.sizing.memory_plan import checkpoint_weight_bytes
+
+    tensors = {"model.layers.0.mlp.experts.gate_up_proj_blocks": ("U8", 8 * 64 * 2 * 16),  # [E, 2I, H/32, 16]
+               "model.layers.0.mlp.experts.gate_up_proj_scales": ("U8", 8 * 64 * 2),
+               "model.layers.0.mlp.experts.gate_up_proj_bias": ("BF16", 8 * 64)}
+    assert checkpoint_weight_bytes(tensors, 2, False) == (8 * 64 * 64 + 8 * 64) * 2
