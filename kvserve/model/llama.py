@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         ps = get_parallel_state()
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        rotary = self._rotary(cfg, max_positions)
         # Gemma 3: windowed layers turn with their own base and no scaling.
         rotary_local = rotary
         if cfg.rope_local_theta is not None:
@@ -221,6 +221,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local = rotary_local if rotary_local is not rotary else None
         # EAGLE-3: the layers whose input residual stream (hidden + residual) forward also returns.
         self.aux_layer_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def _rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
 
     @property
     def num_local_layers(self) -> int:

@@ -2,7 +2,8 @@
 
 router (replicated) -> softmax over all experts -> top-k (renormalised where the model does it) -> routed
 experts (kvserve/ops/fused_moe.py) [+ a shared expert behind a sigmoid gate] -> one all-reduce.
-gpt-oss differs in three places: its router has a bias and takes the top-k logits before a softmax over
+DeepSeek-V3 routes by grouped sigmoid scores (select_experts_grouped, its router and correction bias in fp32)
+and adds an ungated shared expert. gpt-oss differs in three places: its router has a bias and takes the top-k logits before a softmax over
 those k; its experts have biases; and their activation is its clamped SwiGLU (fused_moe.ExpertActivation).
 
 Tensor parallelism as vLLM splits it: every rank holds every expert's slice of the intermediate features
@@ -34,6 +35,25 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, k
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+                           topk_group: int, renormalize: bool, scaling: float):
+    """DeepSeek-V3 (noaux_tc): sigmoid scores; experts chosen by score + correction bias within the topk_group
+    groups (of n_group) whose two best biased scores sum highest; weights are the chosen experts' unbiased
+    scores (renormalised where the model does it), times routed_scaling_factor. As HF computes it, in fp32."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    best_groups = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=choice.device).scatter_(1, best_groups, True)
+    choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(tokens, experts), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def expert_placement(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
@@ -148,7 +168,13 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.router_kind = cfg.moe_router
         # The router stays unquantized (as in vLLM): its logits decide which experts run.
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=cfg.moe_bias)
+        if self.router_kind == "sigmoid_grouped":  # DeepSeek-V3: router and correction bias in fp32, as HF
+            self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, params_dtype=torch.float32)
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
+            self.grouping = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        else:
+            self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=cfg.moe_bias)
         method = quant_config.get_moe_method(f"{prefix}.experts") if quant_config is not None else None
         activation = ExpertActivation(cfg.moe_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method,
@@ -160,12 +186,19 @@ class SparseMoeBlock(nn.Module):
             # Its down projection's partial sum joins the experts' before the block's one all-reduce.
             self.shared_expert = MLP(cfg, quant_config, f"{prefix}.shared_expert",
                                      intermediate_size=cfg.shared_expert_intermediate_size, reduce_results=False)
-            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
         self.tp_size = get_parallel_state().tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.router_kind)
+        if self.router_kind == "sigmoid_grouped":
+            weights, ids = select_experts_grouped(self.gate(x.float()), self.gate.e_score_correction_bias, self.top_k,
+                                                  *self.grouping[:2], self.renormalize, self.grouping[2])
+        else:
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.router_kind)
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return tensor_parallel_all_reduce(out) if self.tp_size > 1 else out

@@ -66,6 +66,9 @@ class RankShape:
     moe_bias: bool = False
     o_proj_bias: bool = False
     attention_sinks: bool = False
+    # What one KV head costs per token in each of the cache's K and V planes (ModelConfig.kv_cache_head_dim;
+    # head_dim unless the model caches something else: DeepSeek's latent, one "head" for all of them).
+    kv_head_dim: int = 0
 
 
 def pipeline_layers(num_layers: int, pp: int) -> list[int]:
@@ -112,7 +115,7 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             stage=i,
             num_layers=n,
             num_heads=heads // tp,
-            num_kv_heads=max(1, kv_heads // tp),  # replicated when tp > kv_heads
+            num_kv_heads=1 if getattr(cfg, "uses_mla", False) else max(1, kv_heads // tp),  # replicated: tp > kv_heads
             head_dim=cfg.head_dim,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size // tp,
@@ -124,6 +127,7 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             qk_norm=cfg.qk_norm,
             o_proj_bias=getattr(cfg, "o_proj_bias", False),
             attention_sinks=getattr(cfg, "attention_sinks", False),
+            kv_head_dim=getattr(cfg, "kv_cache_head_dim", cfg.head_dim),
             **_moe_shape(cfg, tp, expert_parallel, first, n),
         )
         for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
@@ -193,7 +197,7 @@ def rotary_cache_bytes(head_dim: int, max_positions: int) -> int:
 
 
 def kv_bytes_per_token(shape: RankShape, kv_dtype_bytes: int) -> int:
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
+    return shape.num_layers * 2 * shape.num_kv_heads * (shape.kv_head_dim or shape.head_dim) * kv_dtype_bytes
 
 
 def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int, block_size: int,

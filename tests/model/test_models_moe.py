@@ -135,9 +135,9 @@ def test_moe_pipeline_parallel_matches_hf(moe_model):
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
 
 
-def test_deepseek_is_refused_with_what_is_missing():
-    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
-    with pytest.raises(ValueError, match="latent attention.*Supported: .*GptOssForCausalLM"):
+def test_deepseek_v2_is_refused_with_what_is_missing():
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+    with pytest.raises(ValueError, match="group-limited routing.*Supported: .*GptOssForCausalLM"):
         ModelConfig.from_hf_dict(cfg)
 
 
