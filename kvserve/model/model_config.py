@@ -218,7 +218,8 @@ class ModelConfig:
             if self.shared_expert_intermediate_size else 0
         expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.moe_bias else 0)
         # gpt-oss's router bias; DeepSeek's score correction bias
-        router = h * self.num_experts + (self.num_experts if self.moe_bias or self.moe_router == "sigmoid_grouped" else 0)
+        router_bias = self.moe_bias or self.moe_router == "sigmoid_grouped"
+        router = h * self.num_experts + (self.num_experts if router_bias else 0)
         routed = moe * (experts_per_moe_layer * expert + router + shared)
         return (self.num_hidden_layers * attention + dense_mlps + routed
                 + v * h * (1 if self.tie_word_embeddings else 2) + h)
@@ -227,12 +228,14 @@ class ModelConfig:
     def _mla_attention_params(self) -> int:
         h, heads, r, rope = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim
         qk = self.qk_nope_head_dim + rope
-        q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else h * heads * qk
+        q_rank = self.q_lora_rank
+        q = h * q_rank + q_rank + q_rank * heads * qk if q_rank else h * heads * qk
         kv = h * (r + rope) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * h + 2 * h
 
 
-_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")  # bias on q/k/v unless the config says otherwise
+# bias on q/k/v unless the config says otherwise
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:

@@ -3,8 +3,8 @@
 router (replicated) -> softmax over all experts -> top-k (renormalised where the model does it) -> routed
 experts (kvserve/ops/fused_moe.py) [+ a shared expert behind a sigmoid gate] -> one all-reduce.
 DeepSeek-V3 routes by grouped sigmoid scores (select_experts_grouped, its router and correction bias in fp32)
-and adds an ungated shared expert. gpt-oss differs in three places: its router has a bias and takes the top-k logits before a softmax over
-those k; its experts have biases; and their activation is its clamped SwiGLU (fused_moe.ExpertActivation).
+and adds an ungated shared expert. gpt-oss differs in three places: its router has a bias and takes the
+top-k logits before a softmax over those k; its experts have biases; and their activation is its clamped SwiGLU (fused_moe.ExpertActivation).
 
 Tensor parallelism as vLLM splits it: every rank holds every expert's slice of the intermediate features
 (w13 rows, w2 columns), so each rank's output is a partial sum. With --enable-expert-parallel each rank holds
@@ -127,7 +127,8 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.w13_bias = self.w2_bias = None
         if has_bias:
-            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate),
+                                         requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

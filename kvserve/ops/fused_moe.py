@@ -206,7 +206,8 @@ def _get_kernel():
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """C[pair, :] = (A[row of pair] @ B[expert]^T (* scale) (+ bias[expert])) (* routing weight), one block of sorted pairs
+        """C[pair, :] = (A[row of pair] @ B[expert]^T (* scale) (+ bias[expert])) (* routing weight), one block
+        of sorted pairs
         (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs share a token's row of x (the
         gate_up GEMM), or each pair has its own row (the down GEMM reads the activated pairs)."""
         pid = tl.program_id(0)

@@ -38,7 +38,8 @@ def read_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata, kv_lora_rank: int, v_head_dim: int,
-                  decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+                  decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                  scale: float) -> torch.Tensor:
     """q_nope [T, H, nope], q_pe [T, H, rope] (rotated); entries [T, kv_lora_rank + rope] (this step's tokens);
     decompress: latents [S, kv_lora_rank] -> (k_nope [S, H, nope], v [S, H, v_dim]). Returns [T, H, v_dim]."""
     if is_fp8_cache(kv_cache):

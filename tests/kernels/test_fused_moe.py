@@ -102,7 +102,8 @@ def _gpt_oss_extras(experts, hidden, inter, seed=1):
     from kvserve.ops.fused_moe import ExpertActivation
 
     g = torch.Generator().manual_seed(seed)
-    return dict(w13_bias=torch.randn(experts, 2 * inter, generator=g), w2_bias=torch.randn(experts, hidden, generator=g),
+    return dict(w13_bias=torch.randn(experts, 2 * inter, generator=g),
+                w2_bias=torch.randn(experts, hidden, generator=g),
                 activation=ExpertActivation("swiglu_oai", alpha=1.702, limit=0.8))
 
 
@@ -119,7 +120,8 @@ def test_torch_reference_with_biases_and_clamped_swiglu_is_hf_gpt_oss_experts():
     with torch.no_grad():
         interleaved = torch.stack([w13[:, :24], w13[:, 24:]], dim=2).reshape(8, 48, 32)  # gate, up, gate, ...
         hf.gate_up_proj.copy_(interleaved.transpose(1, 2))
-        hf.gate_up_proj_bias.copy_(torch.stack([extras["w13_bias"][:, :24], extras["w13_bias"][:, 24:]], 2).reshape(8, 48))
+        bias = extras["w13_bias"]
+        hf.gate_up_proj_bias.copy_(torch.stack([bias[:, :24], bias[:, 24:]], 2).reshape(8, 48))
         hf.down_proj.copy_(w2.transpose(1, 2))
         hf.down_proj_bias.copy_(extras["w2_bias"])
         expected = hf(x, ids, weights)
@@ -139,7 +141,8 @@ def test_triton_fused_moe_with_biases_and_clamped_swiglu_equals_torch_reference(
     halves = []
     for first in (0, 4):
         local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
-        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4], "w2_bias": extras["w2_bias"][first:first + 4]}
+        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4],
+                "w2_bias": extras["w2_bias"][first:first + 4]}
         halves.append(fused_moe_triton(x, w13[first:first + 4], w2[first:first + 4], weights, local,
                                        all_experts_local=False, **part))
     torch.testing.assert_close(halves[0] + halves[1], ref, atol=1e-5, rtol=1e-5)

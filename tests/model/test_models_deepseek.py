@@ -114,9 +114,28 @@ def test_tensor_parallel_matches_tp1(deepseek):
 def test_kv_cache_is_the_latent(deepseek):
     llm = LLM(deepseek[0], max_model_len=128, kv_cache_memory_bytes=16 << 20)
     caches = llm.llm_engine.executor.runner.kv_caches
-    assert len(caches) == 3 and caches[0].shape[0] == 2 and tuple(caches[0].shape[3:]) == (1, (KV_LORA_RANK + ROPE) // 2)
+    assert len(caches) == 3 and caches[0].shape[0] == 2
+    assert tuple(caches[0].shape[3:]) == (1, (KV_LORA_RANK + ROPE) // 2)
 
 
 def test_triton_backend_is_refused_with_the_alternative(deepseek):
     with pytest.raises(ValueError, match="torch backend only"):
         LLM(deepseek[0], max_model_len=128, attention_backend="triton")
+
+
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_memory_plan_counts_each_ranks_weights(deepseek, monkeypatch, tp, expert_parallel):
+    """The plan's per-rank weight bytes equal the parameters the model builds on that rank (latent attention,
+    fp32 router, ungated shared expert, a dense first layer)."""
+    from kvserve.distributed import parallel_state
+    from kvserve.model.registry import model_class
+    from kvserve.sizing import memory_plan
+
+    cfg = ModelConfig.from_path(deepseek[0])
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=tp - 1, world_size=tp, tp_size=tp, expert_parallel=expert_parallel))
+    model = model_class(cfg.architecture)(cfg, None, 64)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    shape = memory_plan.rank_shapes(cfg, tp, 1, expert_parallel)[0]
+    assert memory_plan.weight_bytes(shape, 4) == built
+    assert memory_plan.kv_bytes_per_token(shape, 2) == 3 * (KV_LORA_RANK + ROPE) * 2  # replicated on every rank
