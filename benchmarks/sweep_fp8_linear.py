@@ -37,8 +37,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvserve.model.quantization import fp8, triton_fp8_gemm
-from kvserve.ops import fp8_quant
+from kvserve.model.quantization import fp8
+from kvserve.ops import fp8_quant, triton_fp8_gemm
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 MS = [1, 8, 64, 256, 2048]

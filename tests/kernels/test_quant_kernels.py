@@ -75,7 +75,7 @@ def _on_device(layer):
 def test_dequantize_kernel_equals_reference(method, opt):
     """The prefill path's dequantize kernel writes exactly IntWeights.dequantize's W (same fp32 ops)."""
     from kvserve.model.quantization.int_weights import IntWeights
-    from kvserve.model.quantization.triton_int_dequant import dequantize_int
+    from kvserve.ops.triton_int_dequant import dequantize_int
 
     layer = _layer(method, 384, 96, **opt)  # 3 K tiles of 128; 96 columns: a masked N tile
     _on_device(layer)
@@ -93,7 +93,7 @@ def test_skinny_split_k_equals_reference(method, opt, rows):
     and the shared workspace and tile counters are left zero for the next call (CUDA-graph replays rely
     on it)."""
     from kvserve.model.quantization.int_weights import IntWeights
-    from kvserve.model.quantization.triton_int_gemv import _workspaces, skinny_int_gemm
+    from kvserve.ops.triton_int_gemv import _workspaces, skinny_int_gemm
 
     k, n = (320 if opt["group_size"] <= 64 else 384), 96  # 320: a partial last K tile of 128
     layer = _layer(method, k, n, **opt)
@@ -258,7 +258,7 @@ def _fp8_weight(n: int, k: int):
 def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
     """x @ (e4m3 weight * per-channel scale)^T: ragged K (640 is not a multiple of BLOCK_K), N not a multiple
     of BLOCK_N, M past one BLOCK_M tile; split-K (forced) agrees with a single split."""
-    from kvserve.model.quantization.triton_fp8_gemm import w8a16_gemm
+    from kvserve.ops.triton_fp8_gemm import w8a16_gemm
 
     q, scale, ref_w = _fp8_weight(n, k)
     x = torch.randn(m, k).to(dtype).to(DEVICE)
@@ -278,7 +278,8 @@ def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatc
     reference quantize_per_token's bytes and scales."""
     from torch import nn
 
-    from kvserve.model.quantization import fp8, triton_fp8_gemm
+    from kvserve.model.quantization import fp8
+    from kvserve.ops import triton_fp8_gemm
 
     k, n = 256, 96
     q, scale, ref_w = _fp8_weight(n, k)

@@ -168,7 +168,7 @@ class Fp8LinearMethod(LinearMethodBase):
     def takes_fp8_input(self, layer, num_rows: int) -> bool:
         """Whether apply() would quantize an input of num_rows rows per token for torch._scaled_mm (by shape
         only, as apply chooses): then the kernel producing that input may hand over an Fp8Activation."""
-        from kvserve.model.quantization import triton_fp8_gemm
+        from kvserve.ops import triton_fp8_gemm
 
         return getattr(layer, "fp8_gemm", False) and num_rows > triton_fp8_gemm.MAX_ROWS
 
@@ -180,7 +180,7 @@ class Fp8LinearMethod(LinearMethodBase):
             return out if bias is None else out + bias
         if not getattr(layer, "fp8_gemm", False):
             return torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
-        from kvserve.model.quantization import triton_fp8_gemm
+        from kvserve.ops import triton_fp8_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
         if not self.takes_fp8_input(layer, x2.shape[0]):

@@ -48,11 +48,11 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """x [M, K] @ dequant(qweight) [K, N] -> [M, N] in x's dtype."""
     m, k = x.shape
     if m <= SKINNY_MAX_M:
-        from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
+        from kvserve.ops.triton_int_gemv import skinny_int_gemm
 
         config = skinny_config(m, bits)
         split = skinny_split_k(qweight.shape[1], k, x.device, config, m)
         return skinny_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, split, config)
-    from kvserve.model.quantization.triton_int_dequant import dequantize_int
+    from kvserve.ops.triton_int_dequant import dequantize_int
 
     return torch.matmul(x, dequantize_int(qweight, scales, zeros, g_idx, bits, group_size, x.dtype))

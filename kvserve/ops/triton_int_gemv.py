@@ -1,4 +1,5 @@
-"""Split-K skinny GEMM (decode, M <= 16) for packed int4/int8 weights (the served layout of int_weights.py).
+"""Split-K skinny GEMM (decode, M <= 16) for packed int4/int8 weights (the served layout of
+kvserve/model/quantization/int_weights.py).
 
 Decode is weight-read bound: the kernel reads each packed int32 word exactly once, dequantizes it in
 registers with its group's scale and zero, and accumulates in fp32. N / BLOCK_N column tiles alone leave
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+from kvserve.ops.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
 from kvserve.ops.split_k import split_in_tiles
 
 
