@@ -73,10 +73,11 @@ class ModelRunner:
         """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         model = self.model
-        return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        per_head = self.model_config.kv_cache_head_dim
+        return model.num_local_layers * 2 * model.num_local_kv_heads * per_head * elem * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
