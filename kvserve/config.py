@@ -231,7 +231,12 @@ class EngineConfig:
                 f"each running request needs at least one token per step."
             )
         backend = args.attention_backend
-        if backend == "auto":
+        if model_config.uses_mla:  # latent attention is computed in torch only (kvserve/ops/mla_attention.py)
+            if backend == "triton":
+                raise ValueError(f"--attention-backend triton: {model_config.architecture}'s multi-head latent "
+                                 f"attention runs on the torch backend only; use --attention-backend auto or torch.")
+            backend = "torch"
+        elif backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         tokenizer_path = model_path
         if args.tokenizer:

@@ -71,7 +71,7 @@ class DraftModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                 for _ in range(self.model.num_local_layers)]
 

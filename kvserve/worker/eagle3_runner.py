@@ -90,7 +90,7 @@ class Eagle3Runner:
     # ---- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         attn = self.head.layers[0].self_attn
-        shape = (2, num_blocks, self.block_size, attn.num_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, attn.num_kv_heads, self.model_config.kv_cache_head_dim)
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

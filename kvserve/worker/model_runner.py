@@ -88,11 +88,12 @@ class ModelRunner:
         a draft model's K/V of the same tokens."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         model = self.model
-        target = model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        per_head = self.model_config.kv_cache_head_dim
+        target = model.num_local_layers * 2 * model.num_local_kv_heads * per_head * elem * self.block_size
         return target + (memory.draft_kv_bytes_per_block(self.config) if self.draft_runner is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
