@@ -105,6 +105,15 @@ class RequestState:
         self.needs_sample = end >= known
         self.output_len = len(outputs) + (end > known)
 
+    def known_tokens(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) of the prompt and the outputs this worker holds (no copy of the rest)."""
+        prompt, p = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return prompt[start:] + self.output_token_ids[:end - p]
+
     def set_drafts(self, draft_token_ids: list[int]) -> None:
         """A draft model's tokens in this step's draft slots (the scheduler sent placeholders)."""
         n = len(self.spec_token_ids)
