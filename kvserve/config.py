@@ -285,9 +285,12 @@ def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: i
         from kvserve.model.eagle3 import Eagle3Config
 
         try:
-            cfg = Eagle3Config.from_hf_dict(load_hf_config_dict(path), target).layer
+            head = Eagle3Config.from_hf_dict(load_hf_config_dict(path), target)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {spec.model}: {e}.") from None
+        # What the memory plan sizes: its one layer, and an LM head over its reduced vocabulary (the token
+        # embedding is the target's).
+        cfg = dataclasses.replace(head.layer, vocab_size=head.draft_vocab_size, tie_word_embeddings=True)
     else:
         cfg = ModelConfig.from_path(path, trust_remote_code=args.trust_remote_code)
         if cfg.vocab_size != target.vocab_size:
