@@ -395,7 +395,9 @@ class LLMEngine:
         asynchronous."""
         if self.proposer is None:
             return False
-        return self.drafter is None or self.drafter.decide(len(self.scheduler.running)).num_draft_tokens > 0
+        # The batch this step will run: the running requests and those it may admit.
+        batch = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.args.max_num_seqs)
+        return self.drafter is None or self.drafter.decide(batch).num_draft_tokens > 0
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a
