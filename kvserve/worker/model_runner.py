@@ -239,7 +239,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is None:
             return None
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             return None
         num_reqs = len(batch)
         last_sampled = self.input_batch.last_sampled
@@ -297,7 +297,7 @@ class ModelRunner:
                 return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if layout.sample_states else None
         prompt_logprobs = {}
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             prompt_logprobs = compute_prompt_logprobs(
                 batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
