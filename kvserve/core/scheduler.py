@@ -54,6 +54,10 @@ class SchedulerConfig:
     # Costs that `auto` compares (measured at start-up): recomputing one token; copying one block out and in.
     recompute_seconds_per_token: float = 0.0
     swap_seconds_per_block: float = 0.0
+    # The engine fills a step's grammar bitmask once the step before it is updated (the workers apply it just
+    # before sampling), so a constrained request may be scheduled while its last token is in flight.
+    # False: such a request waits for that token.
+    grammar_bitmask_after_update: bool = False
 
 
 class Scheduler:
@@ -135,7 +139,7 @@ class Scheduler:
             if req.num_spec_in_flight or (self.config.exclusive_batches and req.request_id in self.in_flight):
                 i += 1
                 continue
-            if req.num_pending_outputs and self._constrained(req):
+            if req.num_pending_outputs and self._constrained(req) and not self.config.grammar_bitmask_after_update:
                 i += 1  # its next mask needs the token still in flight
                 continue
             num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
