@@ -18,7 +18,7 @@ from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
 from kvserve.sizing.memory_plan import mixed_graph_sizes
-from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
+from kvserve.worker.runner_output import DeferredOutput, PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 from kvserve.worker.spec_verify import verify_drafts
@@ -67,6 +67,8 @@ class ModelRunner:
         # Per-request state that outlives a step: one owner, whichever executor delivers the steps.
         self.input_batch = InputBatch(config.args.max_num_seqs, -(-config.max_model_len // self.block_size),
                                       self.block_size, self.device)
+        # The step launched with grammar_bitmask_deferred, until its mask arrives: (handle, sample(mask, rows)).
+        self._deferred = None
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -254,18 +256,35 @@ class ModelRunner:
                                 last_sampled)
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, msg, rids: list[str]) -> None:
+    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, mask_row: dict[str, int], rids: list[str]) -> None:
         """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
-        mask_row = msg.structured_output_request_ids
         logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
         if logits_rows:
-            masks = msg.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            masks = bitmask[[mask_row[rids[j]] for j in logits_rows]]
             apply_token_bitmask(logits, masks, logits_rows)
+
+    @torch.inference_mode()
+    def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:
+        """The grammar bitmask of the step launched last with `grammar_bitmask_deferred`: applied, then the
+        step samples (its forward has been queued or done meanwhile)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            raise RuntimeError("a grammar bitmask arrived for no step waiting for one")
+        handle, sample = deferred
+        handle.resolve(sample(bitmask, mask_row))
+
+    def _drop_deferred(self) -> None:
+        """A step that waited for its mask when the next one arrived (its engine step failed): it ends empty,
+        so whoever waits on it goes on."""
+        if self._deferred is not None:
+            self._deferred[0].resolve(PendingOutput.empty())
+            self._deferred = None
 
     @torch.inference_mode()
     def execute_async(self, msg: StepMessage) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
+        self._drop_deferred()
         batch = self.input_batch.apply(msg)
         # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
         self.swap_blocks(msg.blocks_to_swap_out, to_cpu=True)
@@ -304,13 +323,25 @@ class ModelRunner:
         if not layout.sample_states:
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
+
+        def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs)
+
+        if msg.grammar_bitmask_deferred:
+            handle = DeferredOutput()
+            self._deferred = (handle, sample_step)
+            return handle
+        return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
+
+    def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
+                prompt_logprobs: dict) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
-        if msg.grammar_bitmask is not None:
+        if bitmask is not None:
             if layout.has_drafts:  # the mask has one row per request, not one per draft position
                 raise ValueError("structured outputs with draft tokens are not supported yet")
-            self._apply_grammar_bitmask(logits, msg, rids)
+            self._apply_grammar_bitmask(logits, bitmask, mask_row, rids)
         if not layout.has_drafts:
             meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
                                              self.device)
