@@ -141,6 +141,22 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
     ]
 
 
+def draft_rank_shape(draft_cfg, tp: int = 1) -> RankShape:
+    """A draft model (speculative decoding) on one rank: split like the target, every layer on the one
+    stage (drafts run with a single pipeline stage). Its KV cache lives in the target's blocks: each block
+    holds the target's and the draft's K/V of the same tokens."""
+    return rank_shapes(draft_cfg, tp, 1)[0]
+
+
+def draft_bytes(draft_cfg, tp: int, dtype_bytes: int, kv_dtype_bytes: int, max_model_len: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) a draft model adds to each rank; (0, 0) without one."""
+    if draft_cfg is None:
+        return 0, 0
+    shape = draft_rank_shape(draft_cfg, tp)
+    weights = weight_bytes(shape, dtype_bytes) + rotary_cache_bytes(shape.head_dim, max_model_len)
+    return weights, kv_bytes_per_token(shape, kv_dtype_bytes)
+
+
 def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """(first layer, number of layers) of each stage."""
     counts = pipeline_layers(num_layers, pp)
@@ -371,6 +387,7 @@ class PlanInputs:
     others_bytes: int = CUDA_CONTEXT_BYTES
     # Exact unsharded weight bytes read from the checkpoint's headers, when there is one.
     checkpoint_weights: int | None = None
+    draft_model_config: object = None  # speculative decoding with a draft model: its ModelConfig
 
 
 @dataclass
@@ -380,8 +397,10 @@ class RankPlan:
     weights: int
     activation_peak: int
     graph_reserve: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the target's and, with a draft model, the draft's
     kv_bytes: int  # what this rank can give the KV cache
+    draft_weights: int = 0  # included in weights
+    draft_kv_bytes_per_token: int = 0  # included in kv_bytes_per_token
 
 
 @dataclass
@@ -436,14 +455,16 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
     shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
     single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
     budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
+    draft_weights, draft_per_token = draft_bytes(p.draft_model_config, p.tensor_parallel_size, dtype_bytes,
+                                                 kv_dtype, p.max_model_len)
     ranks = []
     for shape in shapes:
         if single and p.checkpoint_weights is not None:
             weights = p.checkpoint_weights
         else:
             weights = weight_bytes(shape, dtype_bytes, p.quantization)
-        weights += rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len)
-        per_token = kv_bytes_per_token(shape, kv_dtype)
+        weights += rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len) + draft_weights
+        per_token = kv_bytes_per_token(shape, kv_dtype) + draft_per_token
         activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,
                                            p.block_size, kv_dtype)
         graphs = cuda_graph_reserve_bytes(activation, p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager)
@@ -456,7 +477,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
         else:
             kv = kv_cache_bytes(budget, p.others_bytes, weights, activation, 0, graphs)
         ranks.append(RankPlan(shape.stage, shape.num_layers, weights, activation,
-                              graphs if p.total_gpu_bytes else 0, per_token, kv))
+                              graphs if p.total_gpu_bytes else 0, per_token, kv, draft_weights, draft_per_token))
     # Every stage keeps the same block count: the one with the fewest blocks decides.
     deciding = min(ranks, key=lambda r: r.kv_bytes // (r.kv_bytes_per_token * p.block_size))
     per_block = deciding.kv_bytes_per_token * p.block_size
