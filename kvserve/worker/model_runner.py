@@ -357,8 +357,12 @@ class ModelRunner:
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
 
+        def observe_drafts(sampled) -> None:  # the draft proposer reads the target's states and sampled ids
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampled)
+
         def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
-            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs)
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe_drafts)
 
         if msg.grammar_bitmask_deferred:
             handle = DeferredOutput()
@@ -367,7 +371,7 @@ class ModelRunner:
         return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
 
     def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
-                prompt_logprobs: dict) -> PendingOutput:
+                prompt_logprobs: dict, observe_drafts) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
@@ -380,11 +384,9 @@ class ModelRunner:
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
-            if aux is not None:
-                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampler_out.sampled)
+            observe_drafts(sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
-        if aux is not None:
-            self.draft_runner.observe(batch, layout, inputs, meta, aux, verified.row_token_ids)
+        observe_drafts(verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)
