@@ -19,7 +19,7 @@ from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
 from kvserve.sizing.memory_plan import mixed_graph_sizes
-from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
+from kvserve.worker.runner_output import DeferredOutput, PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 from kvserve.worker.spec_verify import verify_drafts
@@ -81,6 +81,8 @@ class ModelRunner:
         # Per-request state that outlives a step: one owner, whichever executor delivers the steps.
         self.input_batch = InputBatch(config.args.max_num_seqs, -(-config.max_model_len // self.block_size),
                                       self.block_size, self.device)
+        # The step launched with grammar_bitmask_deferred, until its mask arrives: (handle, sample(mask, rows)).
+        self._deferred = None
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -263,7 +265,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is None:
             return None
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             return None
         num_reqs = len(batch)
         last_sampled = self.input_batch.last_sampled
@@ -278,18 +280,35 @@ class ModelRunner:
                                 last_sampled)
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, msg, rids: list[str]) -> None:
+    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, mask_row: dict[str, int], rids: list[str]) -> None:
         """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
-        mask_row = msg.structured_output_request_ids
         logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
         if logits_rows:
-            masks = msg.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            masks = bitmask[[mask_row[rids[j]] for j in logits_rows]]
             apply_token_bitmask(logits, masks, logits_rows)
+
+    @torch.inference_mode()
+    def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:
+        """The grammar bitmask of the step launched last with `grammar_bitmask_deferred`: applied, then the
+        step samples (its forward has been queued or done meanwhile)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            raise RuntimeError("a grammar bitmask arrived for no step waiting for one")
+        handle, sample = deferred
+        handle.resolve(sample(bitmask, mask_row))
+
+    def _drop_deferred(self) -> None:
+        """A step that waited for its mask when the next one arrived (its engine step failed): it ends empty,
+        so whoever waits on it goes on."""
+        if self._deferred is not None:
+            self._deferred[0].resolve(PendingOutput.empty())
+            self._deferred = None
 
     @torch.inference_mode()
     def execute_async(self, msg: StepMessage) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
+        self._drop_deferred()
         batch = self.input_batch.apply(msg)
         if self.draft_runner is not None:
             self.draft_runner.apply(msg)
@@ -328,7 +347,7 @@ class ModelRunner:
                 return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if layout.sample_states else None
         prompt_logprobs = {}
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             prompt_logprobs = compute_prompt_logprobs(
                 batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
@@ -337,23 +356,37 @@ class ModelRunner:
                 self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
+
+        def observe_drafts(sampled) -> None:  # the draft proposer reads the target's states and sampled ids
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampled)
+
+        def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe_drafts)
+
+        if msg.grammar_bitmask_deferred:
+            handle = DeferredOutput()
+            self._deferred = (handle, sample_step)
+            return handle
+        return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
+
+    def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
+                prompt_logprobs: dict, observe_drafts) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
-        if msg.grammar_bitmask is not None:
+        if bitmask is not None:
             if layout.has_drafts:  # the mask has one row per request, not one per draft position
                 raise ValueError("structured outputs with draft tokens are not supported yet")
-            self._apply_grammar_bitmask(logits, msg, rids)
+            self._apply_grammar_bitmask(logits, bitmask, mask_row, rids)
         if not layout.has_drafts:
             meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
-            if aux is not None:
-                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampler_out.sampled)
+            observe_drafts(sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
-        if aux is not None:
-            self.draft_runner.observe(batch, layout, inputs, meta, aux, verified.row_token_ids)
+        observe_drafts(verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

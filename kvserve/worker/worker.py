@@ -92,6 +92,9 @@ class Worker:
             parallel_state.COMM_TIMER.begin_step()  # steps with work only (pipelining schedules empty ones)
         return self.runner.execute_async(sched_out)
 
+    def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:
+        self.runner.sample_deferred(bitmask, mask_row)
+
     # ---- measurements for benchmarks (benchmarks/gpu_multi.py) ------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict | None:
         """Seconds and calls per collective since the last reset (KVSERVE_COMM_TIMER=1), else None."""
