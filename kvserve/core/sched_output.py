@@ -91,6 +91,9 @@ class StepMessage:
     # Slots for structured outputs: request id -> row of `grammar_bitmask` (packed allowed-token masks).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    # Async scheduling: the mask (and its rows) arrives after this message, once the step before is updated
+    # (Executor.send_grammar_bitmask); the workers run the forward meanwhile and apply it just before sampling.
+    grammar_bitmask_deferred: bool = False
     finished_req_ids: list[str] = field(default_factory=list)  # the workers drop their state
     preempted_req_ids: list[str] = field(default_factory=list)  # the workers drop their block tables
     # Block tables cut back to this many blocks since the last step (rejected drafts' blocks were

@@ -57,6 +57,10 @@ class SchedulerConfig:
     # Costs that `auto` compares (measured at start-up): recomputing one token; copying one block out and in.
     recompute_seconds_per_token: float = 0.0
     swap_seconds_per_block: float = 0.0
+    # The engine fills a step's grammar bitmask once the step before it is updated (the workers apply it just
+    # before sampling), so a constrained request may be scheduled while its last token is in flight.
+    # False: such a request waits for that token.
+    grammar_bitmask_after_update: bool = False
 
 
 class Scheduler:
@@ -129,6 +133,7 @@ class Scheduler:
         # runs once per running request per step: what it reads often is held in locals.
         running, scheduled = self.running, out.scheduled
         so = self.structured_output
+        mask_waits_for_update = so is not None and not self.config.grammar_bitmask_after_update
         in_flight = self.in_flight if self.config.exclusive_batches else None
         allocate_slots = self.kv.allocate_slots
         i = 0
@@ -140,7 +145,7 @@ class Scheduler:
                 continue
             if req.num_spec_in_flight or (in_flight is not None and req.request_id in in_flight):
                 continue
-            if pending and so is not None and req.request_id in so:
+            if pending and mask_waits_for_update and req.request_id in so:
                 continue  # its next mask needs the token still in flight
             num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             num_drafts = 0

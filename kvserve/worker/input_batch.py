@@ -110,6 +110,14 @@ class RequestState:
         self.needs_sample = end >= known
         self.output_len = len(outputs) + (end > known)
 
+    def set_drafts(self, draft_token_ids: list[int]) -> None:
+        """A draft model's tokens in this step's draft slots (the scheduler sent placeholders)."""
+        n = len(self.spec_token_ids)
+        if len(draft_token_ids) != n:
+            raise ValueError(f"{len(draft_token_ids)} draft tokens for {n} draft slots")
+        self.token_ids = self.token_ids[:len(self.token_ids) - n] + list(draft_token_ids)
+        self.spec_token_ids = list(draft_token_ids)
+
 
 @dataclass
 class StepLayout:
