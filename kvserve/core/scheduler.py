@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import RequestQueue
+from kvserve.request_limits import check_prompt_length
 from kvserve.core.sched_output import (  # the step's types, also imported from here by the scheduler's users
     ONE_PLACEHOLDER,
     PLACEHOLDER_TOKEN_ID,
@@ -87,13 +88,10 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
-        """Reject prompts that could never run instead of letting them wait forever."""
+        """Reject prompts that could never run instead of letting them wait forever: longer than the context
+        (the request validator's check), the step budget without chunking, or the KV cache."""
         cfg = self.config
-        if num_prompt_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"The prompt (length {num_prompt_tokens}) is longer than the maximum model length "
-                f"of {cfg.max_model_len} (max_model_len). Shorten the prompt or raise --max-model-len."
-            )
+        check_prompt_length(num_prompt_tokens, cfg.max_model_len)
         if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"The prompt (length {num_prompt_tokens}) exceeds max_num_batched_tokens "
