@@ -117,6 +117,11 @@ def format_plan(plan: memory_plan.MemoryPlan, verdict: memory_plan.Verdict, mode
                      + (", whole experts per GPU (expert parallel)" if p.enable_expert_parallel else "")
                      + f"; {cfg.num_params() / 1e9:.2f} B parameters, {cfg.num_active_params() / 1e9:.2f} B "
                        f"active per token")
+    groups = cfg.kv_cache_groups
+    if len(groups) > 1 or groups[0].window is not None:
+        kinds = [f"{'full' if g.window is None else f'window {g.window}'} ({len(g.layers)} layers)" for g in groups]
+        lines.append(f"KV cache groups: {', '.join(kinds)}; a block holds {max(len(g.layers) for g in groups)} "
+                     f"layers, a windowed group frees blocks behind its window")
     lines.append("")
     stages = plan.ranks
     header = ["per GPU"] + [f"stage {r.stage} ({r.layers} layers)" if len(stages) > 1 else "each GPU" for r in stages]

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from kvserve.model.config_schema import check_field_types, check_required_and_relations
 from kvserve.model.registry import ARCHITECTURES, MISSING, architecture_of, supported_names
 
@@ -63,12 +64,14 @@ class ModelConfig:
         return any(w is not None for w in self.layer_windows)
 
     @property
-    def kv_cache_window(self) -> int | None:
-        """The window the KV cache may free blocks behind: set when every layer has the same window (one
-        block table serves all layers). Interleaved models (Gemma) keep every block: their full layers
-        need them."""
-        windows = set(self.layer_windows)
-        return windows.pop() if len(windows) == 1 else None
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        """The layers that share one block table per request (core/kv_cache_groups.py): one group where
+        every layer attends alike; full and windowed groups for interleaved models (Gemma)."""
+        return kv_cache_groups(self.layer_windows or [None] * self.num_hidden_layers)
+
+    @property
+    def kv_cache_group_windows(self) -> list[int | None]:
+        return [g.window for g in self.kv_cache_groups]
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False,
@@ -136,9 +139,6 @@ class ModelConfig:
     @classmethod
     def from_path(cls, model_path: str | Path, trust_remote_code: bool = False) -> "ModelConfig":
         return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.mlp_only_layers

@@ -47,7 +47,8 @@ def test_matches_hf_with_chunks_prefix_hits_and_preemption(model):
     path, prompts, expected = model
     # Chunks of 20 tokens (shorter than the window), prefix caching on, few blocks of 16 for 12 requests
     # (fewer where every layer is windowed: those requests free their old blocks as they go).
-    all_windowed = ModelConfig.from_path(path).kv_cache_window is not None
+    groups = ModelConfig.from_path(path).kv_cache_groups
+    all_windowed = len(groups) == 1 and groups[0].window is not None
     tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6,
                                num_gpu_blocks_override=8 if all_windowed else 18, max_model_len=160)
     assert tokens == expected
@@ -65,7 +66,7 @@ def test_window_frees_blocks_and_max_model_len_beyond_the_window(tiny_model_fact
     llm = LLM(path, max_model_len=4 * WINDOW * 2, kv_cache_memory_bytes=16 << 20, num_gpu_blocks_override=5,
               max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.sliding_window == WINDOW
+    assert engine.kv_cache_manager.group_windows == (WINDOW,)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf_model, [prompt], max_tokens)[0]
@@ -73,11 +74,70 @@ def test_window_frees_blocks_and_max_model_len_beyond_the_window(tiny_model_fact
     assert engine.kv_cache_manager.pool.num_free_blocks == 5
 
 
-def test_interleaved_model_keeps_every_block(tiny_model_factory):
-    """Gemma's full layers need every position: its KV cache frees nothing (one table serves all layers)."""
-    path, _ = tiny_model_factory("gemma2")
-    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    assert llm.llm_engine.kv_cache_manager.sliding_window is None
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_interleaved_model_frees_blocks_behind_the_window(tiny_model_factory, arch):
+    """Gemma's windowed and full layers keep their own block tables (KV cache groups): the full group
+    holds every block, each windowed group only its window (plus one chunk), so a request of
+    max_model_len (6x the window) runs in 18 blocks where keeping every block in every group would take
+    30, with HF's tokens and no preemption."""
+    path, hf_model = tiny_model_factory(arch)
+    prompt = random_prompts(1, 100, 100, seed=13)[0]
+    max_tokens = 44  # 144 tokens: 9 blocks of 16
+    llm = LLM(path, max_model_len=160, kv_cache_memory_bytes=16 << 20, num_gpu_blocks_override=18,
+              max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    assert kv.group_windows == (WINDOW, None, WINDOW)  # one group per layer: windowed, full, windowed
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    peak = [0] * len(kv.groups)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+        for r in engine.scheduler.running:
+            for g, group in enumerate(kv.groups):
+                peak[g] = max(peak[g], len(group.live_blocks(r.request_id)))
+        kv.check_invariants()
+    assert outputs[0].outputs[0].token_ids == hf_greedy(hf_model, [prompt], max_tokens)[0]
+    assert engine.get_stats().num_preemptions == 0
+    for window, held in zip(kv.group_windows, peak):
+        # a window of 24 and a chunk of 16 touch at most 3 blocks, plus the one being filled
+        assert held == 9 if window is None else 2 <= held <= 4
+    assert kv.pool.num_free_blocks == 18
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_interleaved_model_with_preemption_and_prefix_hits(model_factory_prompts, arch, mode):
+    """Preempted requests of an interleaved model resume with HF's tokens, recomputed or swapped back
+    (only the blocks each group still holds travel to the CPU and back); the same prompts again, the most
+    recently finished first, hit the prefix cache in every group (a windowed group needs the blocks inside
+    the window of the first computed token, which it freed first, so older requests' hits are evicted)."""
+    path, prompts, expected = model_factory_prompts(arch)
+    swap = {"preemption_mode": "swap", "swap_space": 0.01} if mode == "swap" else {}
+    llm = LLM(path, max_model_len=160, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=20, max_num_seqs=6,
+              num_gpu_blocks_override=20, **swap)
+    for order in (slice(None), slice(None, None, -1)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[order]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected[order]
+    engine = llm.llm_engine
+    assert engine.get_stats().prefix_cache_hits > 0
+    assert engine.scheduler.num_preemptions_by_mode[mode] > 0
+    assert engine.kv_cache_manager.pool.num_free_blocks == 20
+
+
+@pytest.fixture(scope="module")
+def model_factory_prompts(tiny_model_factory):
+    cache = {}
+
+    def make(arch):
+        if arch not in cache:
+            path, hf_model = tiny_model_factory(arch)
+            prompts = random_prompts(4, WINDOW + 1, 4 * WINDOW, seed=3) + _shared_prefix_prompts(9)
+            cache[arch] = path, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS)
+        return cache[arch]
+
+    return make
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
