@@ -119,9 +119,12 @@ def format_plan(plan: memory_plan.MemoryPlan, verdict: memory_plan.Verdict, mode
                        f"active per token")
     groups = cfg.kv_cache_groups
     if len(groups) > 1 or groups[0].window is not None:
-        kinds = [f"{'full' if g.window is None else f'window {g.window}'} ({len(g.layers)} layers)" for g in groups]
-        lines.append(f"KV cache groups: {', '.join(kinds)}; a block holds {max(len(g.layers) for g in groups)} "
-                     f"layers, a windowed group frees blocks behind its window")
+        counts: dict = {}
+        for g in groups:
+            counts[g.window] = counts.get(g.window, 0) + 1
+        kinds = [f"{n} {'full' if w is None else f'windowed ({w} tokens)'}" for w, n in counts.items()]
+        lines.append(f"KV cache groups: {', '.join(kinds)}, up to {max(len(g.layers) for g in groups)} layers each "
+                     f"(a block holds one group's layers; a windowed group frees blocks behind its window)")
     lines.append("")
     stages = plan.ranks
     header = ["per GPU"] + [f"stage {r.stage} ({r.layers} layers)" if len(stages) > 1 else "each GPU" for r in stages]

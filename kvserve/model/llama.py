@@ -247,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head.compute_logits(hidden)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
+        if self.config.logit_scale != 1.0:  # Cohere
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap

@@ -54,6 +54,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    logit_scale: float = 1.0  # Cohere: logits * logit_scale
+    rope_windowed_layers_only: bool = False  # Cohere 2: full-attention layers have no position encoding
 
     @property
     def rotary_dim(self) -> int:
@@ -122,13 +124,14 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6)),  # (Cohere: a LayerNorm's)
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or bool(arch == "CohereForCausalLM" and cfg.get("use_qk_norm")),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -212,8 +215,8 @@ def _layer_windows(arch: str, cfg: dict) -> list[int | None]:
     types = cfg.get("layer_types")
     if types is None and arch == "Gemma2ForCausalLM":
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    elif types is None and arch == "Gemma3ForCausalLM":
-        pattern = cfg.get("sliding_window_pattern", 6)
+    elif types is None and arch in ("Gemma3ForCausalLM", "Cohere2ForCausalLM"):
+        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 4)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = cfg.get("max_window_layers", n)
@@ -243,6 +246,9 @@ def _family_fields(arch: str, cfg: dict) -> dict:
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             if cfg.get(name) is not None:
                 fields[name] = float(cfg[name])
+    if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
+        fields["logit_scale"] = float(cfg.get("logit_scale", 1.0))
+        fields["rope_windowed_layers_only"] = arch == "Cohere2ForCausalLM"
     if arch == "Gemma3ForCausalLM":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
         fields["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)

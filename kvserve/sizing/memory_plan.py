@@ -427,7 +427,9 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
             weights = p.checkpoint_weights
         else:
             weights = weight_bytes(shape, dtype_bytes, p.quantization)
-        weights += rotary_cache_bytes(shape.head_dim, p.max_model_len)
+        # Gemma 3's windowed layers turn with a second table of their own.
+        rotary_tables = 2 if getattr(cfg, "rope_local_theta", None) is not None else 1
+        weights += rotary_tables * rotary_cache_bytes(shape.head_dim, p.max_model_len)
         per_token = kv_bytes_per_token(shape, kv_dtype)
         per_block = kv_bytes_per_block(shape, kv_dtype, p.block_size)
         activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,

@@ -1,6 +1,6 @@
-"""Windowed attention and the Gemma / Phi-3 / Granite / OLMo 2 families: greedy tokens identical to HF transformers (fp32) on
-tiny random models built with HF's own classes, over prompts longer than the window (tests/conftest.py:
-WINDOW), with chunked prefill, prefix hits and preemption."""
+"""Windowed attention and the Gemma, Phi-3, Granite, OLMo 2 and Cohere families: greedy tokens identical to
+HF transformers (fp32) on tiny random models built with HF's own classes, over prompts longer than the
+window (tests/conftest.py: WINDOW), with chunked prefill, prefix hits and preemption."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tests.conftest import WINDOW, hf_greedy, random_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "granite", "olmo2"]
+ARCHS = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "granite", "olmo2", "cohere",
+         "cohere2"]
 
 
 def _generate(path, prompts, **kwargs) -> tuple[list[list[int]], object]:
@@ -49,8 +50,11 @@ def test_matches_hf_with_chunks_prefix_hits_and_preemption(model):
     # (fewer where every layer is windowed: those requests free their old blocks as they go).
     groups = ModelConfig.from_path(path).kv_cache_groups
     all_windowed = len(groups) == 1 and groups[0].window is not None
+    # One request of 160 tokens in chunks of 20 holds 10 blocks in a full group, cdiv(23 + 20, 16) + 1 = 4
+    # in a windowed one.
+    one_request = sum(10 if g.window is None else 4 for g in groups)
     tokens, engine = _generate(path, prompts, max_num_batched_tokens=20, max_num_seqs=6,
-                               num_gpu_blocks_override=8 if all_windowed else 18, max_model_len=160)
+                               num_gpu_blocks_override=8 if all_windowed else max(18, one_request), max_model_len=160)
     assert tokens == expected
     stats = engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
@@ -140,7 +144,7 @@ def model_factory_prompts(tiny_model_factory):
     return make
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2", "cohere", "cohere2"])
 def test_tensor_parallel_matches_single_process(tiny_model_factory, arch):
     """TP=2 (gloo, a process per rank): Gemma 2's soft-capped interleaved layers, Phi-3's fused
     projections cut per rank with its window freeing blocks, and OLMo 2's q/k norm over the projection
@@ -156,3 +160,46 @@ def test_tensor_parallel_matches_single_process(tiny_model_factory, arch):
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == single == expected
+
+
+_TRITON_SCRIPT = r"""
+import json, sys
+from kvserve import LLM, SamplingParams
+path, kwargs, prompts, max_tokens = json.loads(sys.stdin.read())
+llm = LLM(path, attention_backend="triton", **kwargs)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+s = llm.llm_engine.get_stats()
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "preemptions": s.num_preemptions,
+                  "prefix_hits": s.prefix_cache_hits, "groups": len(llm.llm_engine.kv_cache_manager.groups)}))
+"""
+
+
+def test_triton_backend_with_kv_cache_groups_matches_hf(tiny_model_factory):
+    """The Triton attention kernels (under Triton's interpreter on CPU) get each layer's own group's block
+    tables and slot mapping: Gemma 3's windowed and full groups, with chunked prefill, a preemption and
+    prefix hits (the same prompt again), give HF's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.triton_interpreter import interpreter_unusable
+
+    pytest.importorskip("triton")
+    if (why := interpreter_unusable()) is not None:
+        pytest.skip(why)
+    path, hf_model = tiny_model_factory("gemma3")
+    prompts = random_prompts(2, WINDOW + 20, 3 * WINDOW, seed=21)
+    prompts.append(prompts[0])
+    engine = dict(max_model_len=96, max_num_batched_tokens=20, max_num_seqs=3, num_gpu_blocks_override=14,
+                  kv_cache_memory_bytes=16 << 20)
+    payload = json.dumps([path, engine, prompts, 8])
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], input=payload, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[2],
+                          timeout=1200, check=False)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["groups"] == 3 and run["preemptions"] > 0 and run["prefix_hits"] > 0
+    assert run["tokens"] == hf_greedy(hf_model, prompts, 8)
