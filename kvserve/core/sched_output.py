@@ -15,10 +15,14 @@ block ids, where its chunk starts and the output ids sampled since the workers l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
+# The tokens of a decode scheduled behind the step in flight (most steps under async scheduling, once per
+# request): one shared list, read and never changed, so such a step allocates none.
+ONE_PLACEHOLDER: list[int] = [PLACEHOLDER_TOKEN_ID]
 
 
 @dataclass
@@ -50,7 +54,7 @@ class ScheduledRequest:
     output_len: int  # output tokens so far, counting those in flight
     # The scheduler's own object: its result is dropped if the request ended (or its id was reused) meanwhile.
     request: Any = field(default=None, repr=False)
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens at the end of token_ids
+    spec_token_ids: Sequence[int] = ()  # draft tokens at the end of token_ids
 
 
 @dataclass
@@ -88,6 +92,9 @@ class StepMessage:
     # Slots for structured outputs: request id -> row of `grammar_bitmask` (packed allowed-token masks).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    # Async scheduling: the mask (and its rows) arrives after this message, once the step before is updated
+    # (Executor.send_grammar_bitmask); the workers run the forward meanwhile and apply it just before sampling.
+    grammar_bitmask_deferred: bool = False
     finished_req_ids: list[str] = field(default_factory=list)  # the workers drop their state
     preempted_req_ids: list[str] = field(default_factory=list)  # the workers drop their block tables
     # Block tables cut back to this many blocks since the last step (rejected drafts' blocks were
@@ -132,6 +139,9 @@ def build_step_message(out: SchedulerOutput) -> StepMessage:
     )
     cached = msg.scheduled_cached_reqs
     num_scheduled = msg.num_scheduled_tokens
+    # Once per scheduled request per step: the lists' append methods are looked up once.
+    add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
+    add_blocks, add_start = cached.new_block_ids.append, cached.num_computed_tokens.append
     for s in out.scheduled:
         req = s.request
         rid = s.request_id
@@ -142,10 +152,10 @@ def build_step_message(out: SchedulerOutput) -> StepMessage:
                 rid, req.prompt_token_ids, req.sampling_params, outputs[:], s.new_block_ids, s.start_pos))
         else:
             sent = req.num_output_tokens_sent
-            cached.req_ids.append(rid)
-            cached.new_token_ids.append(outputs[sent:] if n > sent else [])
-            cached.new_block_ids.append(s.new_block_ids)
-            cached.num_computed_tokens.append(s.start_pos)
+            add_id(rid)
+            add_tokens(outputs[sent:] if n > sent else [])
+            add_blocks(s.new_block_ids)
+            add_start(s.start_pos)
         req.num_output_tokens_sent = n
         num_scheduled[rid] = len(s.token_ids)
         if s.spec_token_ids:

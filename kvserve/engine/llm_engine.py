@@ -54,9 +54,11 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
-    # Speculative decoding (None when off): acceptance totals since start, and drafts per request now.
+    # Speculative decoding (None when off): acceptance totals since start, drafts per request now, and why
+    # (the draft budget's reason: "on", "probe", or what turned it down: "batch size", "acceptance").
     spec_decode: SpecDecodeStats | None = None
     num_speculative_tokens: int | None = None
+    speculation_reason: str | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -102,6 +104,7 @@ class LLMEngine:
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 exclusive_batches=args.pipeline_parallel_size > 1,
+                grammar_bitmask_after_update=self._bitmask_after_update(),
                 **swap,
             ),
             self.kv_cache_manager,
@@ -114,7 +117,7 @@ class LLMEngine:
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
         self._drafting_now = False  # this step's decision (LLMEngine._drafting)
         if config.args.speculative_config is not None:
-            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.drafter = Drafter.from_config(config)
             self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
@@ -129,6 +132,12 @@ class LLMEngine:
         # What the current step() scheduled, and the step that was in flight when it did (None: none), or
         # None before it schedules: after a failure, OOM triage and recover_from_failed_step read it.
         self._scheduled_now: tuple[SchedulerOutput, SchedulerOutput | None] | None = None
+
+    def _bitmask_after_update(self) -> bool:
+        """Async scheduling with one batch in flight: a constrained request runs every step, its mask for
+        step N+1 filled once step N's tokens are in (while N+1's forward runs) and sent before N+1 samples."""
+        return (self.config.async_scheduling and self.config.args.pipeline_parallel_size == 1
+                and self.executor.defers_grammar_bitmask)
 
     def _init_swap_space(self) -> dict:
         """--swap-space and --preemption-mode: the CPU blocks, and for auto the two costs it compares."""
@@ -274,7 +283,7 @@ class LLMEngine:
         if self._in_flight is not None and (self._needs_history or self._drafting_now):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
-        sched_out = self._schedule()
+        sched_out = self._schedule(mask_after_update=self._in_flight is not None)
         self._scheduled_now = (sched_out, self._in_flight.sched_out if self._in_flight is not None else None)
         if sched_out.preemptions:
             self.preemption_log.report(sched_out.preemptions)
@@ -286,18 +295,26 @@ class LLMEngine:
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
             self._in_flight = None
+        if sched_out.message.grammar_bitmask_deferred:  # the matchers have seen step N's tokens now
+            self.executor.send_grammar_bitmask(*self.structured_output.grammar_bitmask(sched_out.scheduled))
         if self.async_scheduling and not sched_out.is_empty:
             self._in_flight = launched
         else:
             outputs += self._finish(launched)
         return outputs
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, mask_after_update: bool = False) -> SchedulerOutput:
+        """`mask_after_update`: a step is in flight, to be updated before this one samples; a constrained
+        request of this step may have its last token there, so its mask waits for that update."""
         sched_out = self.scheduler.schedule()
-        if self.structured_output is not None and sched_out.scheduled:
+        so = self.structured_output
+        if so is not None and sched_out.scheduled:
             msg = sched_out.message  # the workers' copy: its grammar slots
-            msg.grammar_bitmask, msg.structured_output_request_ids = \
-                self.structured_output.grammar_bitmask(sched_out.scheduled)
+            if (mask_after_update and self.scheduler.config.grammar_bitmask_after_update
+                    and so.any_constrained(sched_out.scheduled)):
+                msg.grammar_bitmask_deferred = True
+            else:
+                msg.grammar_bitmask, msg.structured_output_request_ids = so.grammar_bitmask(sched_out.scheduled)
         return sched_out
 
     def recover_from_failed_step(self) -> list[str]:
@@ -421,5 +438,6 @@ class LLMEngine:
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
             spec_decode=self.drafter.totals.copy() if self.drafter is not None else None,
             num_speculative_tokens=self.drafter.last_choice.num_draft_tokens if self.drafter is not None else None,
+            speculation_reason=self.drafter.last_choice.reason if self.drafter is not None else None,
         )
 

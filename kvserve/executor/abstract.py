@@ -45,6 +45,13 @@ class Executor:
         """Launches one step on every rank; returns an object whose result() is the RunnerOutput."""
         raise NotImplementedError
 
+    # Whether a step may be launched before its grammar bitmask is known (send_grammar_bitmask follows).
+    defers_grammar_bitmask = False
+
+    def send_grammar_bitmask(self, bitmask, mask_row: dict[str, int]) -> None:
+        """The bitmask of the step launched last with `grammar_bitmask_deferred`, to every rank."""
+        raise NotImplementedError
+
     def maybe_inject_step_oom(self) -> None:
         """Tests only: raises the out-of-memory error KVSERVE_INJECT_OOM=step asks for, before a step."""
         memory.maybe_inject_oom("step")

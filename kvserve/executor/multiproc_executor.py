@@ -162,6 +162,12 @@ class MultiprocExecutor(Executor):
         self._next_seq += 1
         return _PendingStep(self, seq)
 
+    defers_grammar_bitmask = True
+
+    def send_grammar_bitmask(self, bitmask, mask_row: dict[str, int]) -> None:
+        # Every rank samples (and keeps its sampled ids for the next step's placeholders).
+        self._broadcast(("grammar", (bitmask, mask_row)))
+
     def _step_result(self, seq: int):
         while seq not in self._results:  # results arrive in launch order
             self._results[self._next_result] = self._recv(self.output_rank)

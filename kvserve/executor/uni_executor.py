@@ -25,3 +25,8 @@ class UniExecutor(Executor):
 
     def execute_async(self, sched_out):
         return self.worker.execute_model(sched_out.message)
+
+    defers_grammar_bitmask = True
+
+    def send_grammar_bitmask(self, bitmask, mask_row: dict[str, int]) -> None:
+        self.worker.sample_deferred(bitmask, mask_row)

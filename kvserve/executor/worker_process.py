@@ -85,6 +85,8 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
                 pending = worker.execute_model(payload)
                 if rank == output_rank:
                     replies.put(("pending", pending))
+            elif kind == "grammar":  # the mask of the step launched last: it samples now
+                worker.sample_deferred(*payload)
             elif kind == "rpc":
                 method, args = payload
                 replies.put(("value", getattr(worker, method)(*args)))

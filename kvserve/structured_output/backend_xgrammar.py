@@ -52,6 +52,19 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _bounded_whitespace(node):
+    """disable_any_whitespace inside a structural tag: xgrammar's JSON there takes a bound on whitespace runs,
+    not the flag, so each run is at most one character (what keeps a sampled object from filling with it)."""
+    if isinstance(node, list):
+        return [_bounded_whitespace(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k == "json_schema" else _bounded_whitespace(v)) for k, v in node.items()}
+    if out.get("type") == "json_schema":
+        out.setdefault("max_whitespace_cnt", 1)
+    return out
+
+
 class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -89,7 +102,9 @@ class XgrammarBackend(GrammarBackend):
             spec = json.loads(params.structural_tag)
             legacy = legacy_structural_tag(spec)
             if legacy is None:
-                return c.compile_structural_tag(params.structural_tag)
+                if not any_ws:
+                    spec = _bounded_whitespace(spec)
+                return c.compile_structural_tag(json.dumps(spec))
             structures, triggers = legacy
             tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
                     for s in structures]

@@ -110,6 +110,11 @@ class StructuredOutputManager:
         return st is not None and st.matcher is not None and not st.thinking
 
     # ---- the step's mask ------------------------------------------------------------------------------
+    def any_constrained(self, scheduled) -> bool:
+        """Whether a request that samples in this step has a constraint (in its thinking or not yet: the
+        update before the step may end the thinking)."""
+        return any(s.needs_sample and s.request_id in self._states for s in scheduled)
+
     def grammar_bitmask(self, scheduled) -> tuple[torch.Tensor | None, dict[str, int]]:
         """(int32 [rows, words] bitmask, request id -> row) for the scheduled requests that sample this step
         under a constraint; (None, {}) when there are none."""

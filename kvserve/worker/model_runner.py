@@ -16,11 +16,12 @@ from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_nex
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.worker import memory
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
 from kvserve.sizing.memory_plan import mixed_graph_sizes
-from kvserve.worker.runner_output import PendingOutput, compute_prompt_logprobs
+from kvserve.worker.runner_output import DeferredOutput, PendingOutput, compute_prompt_logprobs
 from kvserve.worker.sampler import SamplingMetadata, sample
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 from kvserve.worker.spec_verify import verify_drafts
@@ -69,6 +70,19 @@ class ModelRunner:
         self.num_kv_slots = max(self.layer_kv_slots) + 1
         self.kv_tensors: list[torch.Tensor] = []  # [num_kv_slots] x [2, num_blocks, block_size, Hkv, D]
         self.kv_caches: list[torch.Tensor] = []  # per local layer: its slot's tensor (what the model reads)
+        # A draft model or an EAGLE-3 head: fills the draft slots each step, its cache in the same blocks.
+        self.draft_runner = None
+        spec = config.args.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from kvserve.worker.draft_model_runner import DraftModelRunner
+
+            self.draft_runner = DraftModelRunner(config, self.backend, self.kv_cache_dtype, self._build_inputs)
+        elif spec is not None and spec.method == "eagle3":
+            from kvserve.worker.eagle3_runner import Eagle3Runner
+
+            self.draft_runner = Eagle3Runner(config, self.model, self.backend, self.kv_cache_dtype,
+                                             self._build_inputs)
+        self.eagle = spec is not None and spec.method == "eagle3"
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), kv_tensors' layout on the host
         self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
@@ -77,17 +91,21 @@ class ModelRunner:
         # Per-request state that outlives a step: one owner, whichever executor delivers the steps.
         self.input_batch = InputBatch(config.args.max_num_seqs, -(-config.max_model_len // self.block_size),
                                       self.block_size, self.device, self.num_kv_cache_groups)
+        # The step launched with grammar_bitmask_deferred, until its mask arrives: (handle, sample(mask, rows)).
+        self._deferred = None
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes per block: one per KV tensor of its stage (a tensor per layer, or per layer of
-        a KV cache group), of its KV heads (tensor parallel)."""
+        a KV cache group), of its KV heads (tensor parallel), and a draft model's K/V of the same tokens."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return self.num_kv_slots * 2 * self.model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        per_head = self.model_config.kv_cache_head_dim
+        target = self.num_kv_slots * 2 * self.model.num_local_kv_heads * per_head * elem * self.block_size
+        return target + (memory.draft_kv_bytes_per_block(self.config) if self.draft_runner is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         """The stage's KV tensors, one per slot."""
-        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.num_kv_slots)]
 
@@ -99,6 +117,8 @@ class ModelRunner:
         self.kv_tensors = self.allocate_kv_cache(num_blocks)
         self.kv_caches = self.layer_caches(self.kv_tensors)
         self.num_blocks = num_blocks
+        if self.draft_runner is not None:
+            self.draft_runner.initialize_kv_cache(num_blocks)
 
     # ---- swap space (preemption by swapping) --------------------------------------------------------------
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
@@ -164,6 +184,10 @@ class ModelRunner:
         if self.config.attention_backend != "triton":
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
             return
+        if self.eagle:
+            logger.info("CUDA graphs are not captured with an EAGLE-3 head (the head reads the target's hidden "
+                        "states of every step); running eagerly")
+            return
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
@@ -202,6 +226,8 @@ class ModelRunner:
             zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
             intermediate = (zeros, zeros.clone())
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta, intermediate)
+        if self.eagle:
+            hidden = hidden[0]
         if not self.model.is_last_stage:
             del scratch, hidden
             return
@@ -260,7 +286,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is None:
             return None
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             return None
         num_reqs = len(batch)
         last_sampled = self.input_batch.last_sampled
@@ -275,19 +301,38 @@ class ModelRunner:
                                 last_sampled, layout.other_groups)
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, msg, rids: list[str]) -> None:
+    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, mask_row: dict[str, int], rids: list[str]) -> None:
         """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
-        mask_row = msg.structured_output_request_ids
         logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
         if logits_rows:
-            masks = msg.grammar_bitmask[[mask_row[rids[j]] for j in logits_rows]]
+            masks = bitmask[[mask_row[rids[j]] for j in logits_rows]]
             apply_token_bitmask(logits, masks, logits_rows)
+
+    @torch.inference_mode()
+    def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:
+        """The grammar bitmask of the step launched last with `grammar_bitmask_deferred`: applied, then the
+        step samples (its forward has been queued or done meanwhile)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            raise RuntimeError("a grammar bitmask arrived for no step waiting for one")
+        handle, sample = deferred
+        handle.resolve(sample(bitmask, mask_row))
+
+    def _drop_deferred(self) -> None:
+        """A step that waited for its mask when the next one arrived (its engine step failed): it ends empty,
+        so whoever waits on it goes on."""
+        if self._deferred is not None:
+            self._deferred[0].resolve(PendingOutput.empty())
+            self._deferred = None
 
     @torch.inference_mode()
     def execute_async(self, msg: StepMessage) -> PendingOutput:
         """Launches the step; its sampled ids reach the host when the PendingOutput is resolved, so the
         caller can schedule and launch the next step meanwhile."""
+        self._drop_deferred()
         batch = self.input_batch.apply(msg)
+        if self.draft_runner is not None:
+            self.draft_runner.apply(msg)
         # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
         self.swap_blocks(msg.blocks_to_swap_out, to_cpu=True)
         self.swap_blocks(msg.blocks_to_swap_in, to_cpu=False)
@@ -301,8 +346,11 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "calculate_kv_scales"):
                     module.calculate_kv_scales = True
+        if self.draft_runner is not None and any(s.spec_token_ids for s in batch):
+            self.draft_runner.propose(batch, self.input_batch.block_tables.gather([s.request_id for s in batch]))
         layout = self.input_batch.layout(batch)
         logits_input = None if calculate_kv_scales else self._run_graph(batch, layout)
+        aux = None
         if logits_input is None:
             inputs, meta = self._build_inputs(layout)
             if meta.max_query_len == 1:
@@ -315,31 +363,53 @@ class ModelRunner:
                 shape = (meta.num_actual_tokens, self.model_config.hidden_size)
                 intermediate = recv_from_prev_stage([shape, shape], self.dtype, self.device)
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, meta, intermediate)
+            if self.eagle:  # the target also returns the states its head reads
+                hidden, aux = hidden
             if not model.is_last_stage:  # only the last stage computes logits and samples
                 send_to_next_stage(list(hidden))
                 return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if layout.sample_states else None
         prompt_logprobs = {}
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             prompt_logprobs = compute_prompt_logprobs(
                 batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
         if not layout.sample_states:
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
+
+        def observe_drafts(sampled) -> None:  # the draft proposer reads the target's states and sampled ids
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampled)
+
+        def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe_drafts)
+
+        if msg.grammar_bitmask_deferred:
+            handle = DeferredOutput()
+            self._deferred = (handle, sample_step)
+            return handle
+        return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
+
+    def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
+                prompt_logprobs: dict, observe_drafts) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
-        if msg.grammar_bitmask is not None:
+        if bitmask is not None:
             if layout.has_drafts:  # the mask has one row per request, not one per draft position
                 raise ValueError("structured outputs with draft tokens are not supported yet")
-            self._apply_grammar_bitmask(logits, msg, rids)
+            self._apply_grammar_bitmask(logits, bitmask, mask_row, rids)
         if not layout.has_drafts:
             meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
+            observe_drafts(sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
+        observe_drafts(verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

@@ -6,6 +6,7 @@ asked, chunk by chunk as the prompt is prefilled.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,25 @@ class PendingOutput:
                     row += n
             self._result = out
         return self._result
+
+
+class DeferredOutput:
+    """A launched step whose sampling waits for its grammar bitmask: under async scheduling a constrained
+    request's mask needs the previous step's token, which the engine learns while this step's forward runs.
+    `resolve` hands it the sampled step; `result()` waits for that (the mp worker's reply thread waits here;
+    in the engine's own process the mask is always sent before the result is read)."""
+
+    def __init__(self):
+        self._pending: PendingOutput | None = None
+        self._resolved = threading.Event()
+
+    def resolve(self, pending: PendingOutput) -> None:
+        self._pending = pending
+        self._resolved.set()
+
+    def result(self) -> RunnerOutput:
+        self._resolved.wait()
+        return self._pending.result()
 
 
 def prompt_logprob_targets(scheduled, query_start_loc: list[int]) -> list[tuple]:

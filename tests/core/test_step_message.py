@@ -52,7 +52,7 @@ def _run(async_scheduling: bool, drafts: bool, group_windows=(None,), num_blocks
             # The worker rebuilt the scheduler's record of this step from the diff alone.
             assert (state.start_pos, state.token_ids, state.needs_sample, state.output_len) == (
                 s.start_pos, s.token_ids, s.needs_sample, s.output_len)
-            assert list(state.spec_token_ids) == s.spec_token_ids
+            assert list(state.spec_token_ids) == list(s.spec_token_ids)
             for g, rows in enumerate(batch.group_tables):  # every KV cache group's table
                 row = rows.rows[s.request_id]
                 table = kv.block_ids(s.request_id, g)

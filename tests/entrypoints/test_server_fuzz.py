@@ -36,7 +36,9 @@ def server(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     srv = RemoteServer(path, "--served-model-name", "tiny", "--disable-log-stats", "--max-model-len", "256",
                        "--max-request-body-bytes", "200000", "--max-prompts-per-request", str(MAX_PROMPTS),
-                       "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-waiting-requests", "64")
+                       "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-waiting-requests", "64",
+                       # tool_choice auto reaches the strict-tool grammar (pythonic refuses the most schemas)
+                       "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
     yield srv
     srv.stop()
 
@@ -97,8 +99,11 @@ SAMPLING.update({
                                  _SCHEMA.map(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}})),
     "guided_decoding_backend": st.sampled_from(["auto", "xgrammar", "guidance", "outlines"]),
 })
+_TOOL_PARAMETERS = st.one_of(_SCHEMA, st.sampled_from([
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"not-a-name": {"type": "string"}}}]))
 _TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["f", "g", ""])}, optional={"parameters": _SCHEMA, "strict": st.booleans()})})
+    {"name": st.sampled_from(["f", "g", ""])}, optional={"parameters": _TOOL_PARAMETERS, "strict": st.booleans()})})
 COMPLETION = {**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5), "add_special_tokens": st.booleans()}
 # Special-token strings inside a message must stay text (they must not open turns of their own).
 special_text = st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "system\n", "user", " hi ",

@@ -1,7 +1,7 @@
 """A request's output constraint, from whichever field states it: OpenAI's `response_format`, vLLM's
 `structured_outputs` object, vLLM's older `guided_*` fields, or the tools (`tool_choice` required or named:
-a grammar built from the tools' schemas, so the call always parses; `auto` with a `strict` tool and the
-hermes parser: a structural tag that enforces the call once the model opens one).
+a grammar built from the tools' schemas, so the call always parses; `auto` with a `strict` tool: a
+structural tag in the --tool-call-parser's format that enforces the call once the model opens one).
 
 Everything here is a ValueError whose message starts with the field it is about (the server's 400).
 """
@@ -93,14 +93,13 @@ def _tool_constraint(plan: ToolPlan, parallel_tool_calls: bool, parser_name: str
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
-    if plan.mode == "auto" and parser_name == "hermes" and any(t.strict for t in plan.tools):
+    if plan.mode == "auto" and parser_name is not None and any(t.strict for t in plan.tools):
         import json
 
-        # Free text, then every <tool_call> of a strict tool holds JSON of its schema.
-        structures = [{"begin": f'<tool_call>\n{{"name": "{t.name}", "arguments": ', "schema": t.parameters,
-                       "end": "}\n</tool_call>"} for t in plan.tools if t.strict]
+        from kvserve.entrypoints.openai.strict_tool_tags import strict_tools_tag
+
         return StructuredOutputsParams(structural_tag=json.dumps(
-            {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"]}))
+            strict_tools_tag(parser_name, plan.tools, parallel_tool_calls)))
     return None
 
 

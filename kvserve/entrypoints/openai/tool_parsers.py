@@ -4,7 +4,7 @@ Each parser reads the format its model family was trained to write:
 - hermes:      <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number, text around them
 - llama3_json: {"name": ..., "parameters": {...}} (optionally after <|python_tag|>), several joined by ";"
 - mistral:     [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]  or  [TOOL_CALLS]name[ARGS]{...}
-- pythonic:    [get_weather(city="Paris"), get_time()]
+- pythonic:    [get_weather(city="Paris"), get_time()]  (values Python literals, or JSON's true/false/null)
 JSON is read with a real decoder (never by counting braces), so braces and quotes inside string arguments
 are just text. Text that does not parse is returned as content, as vLLM does.
 """
@@ -181,9 +181,26 @@ class PythonicParser(ToolParser):
             if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args:
                 raise ParseError("calls with keyword arguments only")
             name = ast.unparse(node.func)
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return calls
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node):
+    """A keyword's value: a Python literal, where JSON's true/false/null read as JSON's (models write JSON
+    values in calls, and the strict-tool grammar does)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ParseError("no ** in a call's values")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
