@@ -188,6 +188,10 @@ class ModelConfig:
     def from_path(cls, model_path: str | Path, trust_remote_code: bool = False) -> "ModelConfig":
         return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K/V bytes one token of context costs in every layer (a windowed layer's blocks are freed later)."""
+        return self.num_hidden_layers * 2 * self.kv_cache_num_heads * self.kv_cache_head_dim * dtype_bytes
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.mlp_only_layers
 
