@@ -306,6 +306,12 @@ def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: i
     if args.pipeline_parallel_size > 1:
         raise ValueError(f"--speculative-config: a {what.lower()} runs with --pipeline-parallel-size 1 only; use "
                          f"tensor parallelism, or \"method\": \"ngram\".")
+    # Its K/V lives in the blocks of the target's first block table: only one that keeps every block will do.
+    for model, groups in (("target", target.kv_cache_groups), (what.lower(), cfg.kv_cache_groups)):
+        if len(groups) > 1 or groups[0].window is not None:
+            raise ValueError(f"--speculative-config: a {what.lower()} with a {model} whose KV cache frees blocks "
+                             f"behind a sliding window (windowed or interleaved layers) is not supported yet; use "
+                             f"\"method\": \"ngram\".")
     misfit = _tensor_parallel_misfit(cfg, args.tensor_parallel_size)
     if misfit:
         raise ValueError(f"--speculative-config: the {what.lower()} is split like the target, and cannot be: "

@@ -90,7 +90,7 @@ class LLMEngine:
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_cpu_blocks=swap.pop("num_cpu_blocks"),
-                                               sliding_window=config.model_config.kv_cache_window)
+                                               group_windows=config.model_config.kv_cache_group_windows)
         self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
