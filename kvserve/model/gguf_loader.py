@@ -1,7 +1,9 @@
 """Read GGUF checkpoints as an HF-style config dict and float32 weights under HF names.
 
 Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
-expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe" and "olmo2". A MoE layer's stacked expert tensors
+expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmo2", "gemma2", "gemma3", "phi3", "granite",
+"command-r" and "cohere2". Family settings that llama.cpp keeps outside the HF config's shape (Gemma's
+(1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers) are turned back into HF's. A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
 so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 GGUFSource = Union[str, os.PathLike, GGUFReader]
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,110 @@ class _ArchSpec:
     permute_qk: bool
     # Layer tensors named otherwise than in the llama layout (_LAYER_TENSORS), GGUF name -> HF module.
     layer_tensors: tuple[tuple[str, str], ...] = ()
+    # The HF config fields only this family has, from its GGUF metadata (see _family_config below).
+    family_config: Callable[["_Metadata", dict], dict] | None = None
+    # llama.cpp's Gemma converter stores every RMSNorm weight as 1 + w (its graph multiplies by the weight).
+    norm_weights_plus_one: bool = False
+    # rope.dimension_count is the rotary part of the head (Phi-4-mini, Command R7B), not head_dim.
+    partial_rotary: bool = False
+
+
+_GEMMA_TENSORS = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+                  ("post_ffw_norm", "post_feedforward_layernorm"))
+# llama.cpp's graphs scale Gemma's queries by 1/sqrt(hidden / heads) for the 27B models (known by their
+# layer count) and by 1/sqrt(head_dim) otherwise; GGUF has no query_pre_attn_scalar key.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's windowed-layer patterns where the file does not carry one: every n-th layer is full.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    """One file's metadata under one architecture's keys, and its small config-carrying tensors."""
+    reader: GGUFReader
+    arch: str
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        return _metadata(self.reader, f"{self.arch}.{key}", default)
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        found = next((t for t in self.reader.tensors if t.name == name), None)
+        return None if found is None else _dequantize_tensor(found)
+
+
+def _layer_types(meta: _Metadata, n_layers: int) -> list[str]:
+    pattern = meta.get("attention.sliding_window_pattern", _SWA_PATTERN[meta.arch])
+    if isinstance(pattern, list):  # one flag per layer: true = windowed
+        if len(pattern) != n_layers:
+            raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.attention.sliding_window_pattern has "
+                             f"{len(pattern)} entries for {n_layers} layers")
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+
+
+def _gemma_config(meta: _Metadata, config: dict) -> dict:
+    heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
+    scale = meta.get("attention.scale", None)
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif n_layers == _GEMMA_27B_LAYERS[meta.arch]:
+        scalar = config["hidden_size"] // heads
+    else:
+        scalar = config["head_dim"]
+    fields = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+              "final_logit_softcapping": meta.get("final_logit_softcapping", None)}
+    window = meta.get("attention.sliding_window", None)
+    if window:
+        fields.update(sliding_window=int(window), layer_types=_layer_types(meta, n_layers))
+    if meta.arch == "gemma2":
+        fields["attn_logit_softcapping"] = meta.get("attn_logit_softcapping", None)
+    else:
+        full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        kind = meta.get("rope.scaling.type", "none")
+        if kind == "linear":
+            full.update(rope_type="linear", factor=float(meta.get("rope.scaling.factor")))
+        elif kind != "none":
+            raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.rope.scaling.type {kind!r} is not "
+                             f"Gemma 3's (linear or none)")
+        local = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa", 10000.0))}
+        fields["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return fields
+
+
+def _phi3_config(meta: _Metadata, config: dict) -> dict:
+    fields = {}
+    window = meta.get("attention.sliding_window", 0)
+    fields["sliding_window"] = int(window) if window else None
+    original = meta.get("rope.scaling.original_context_length", None)
+    if original is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    long, short = meta.tensor("rope_factors_long.weight"), meta.tensor("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise ValueError(f"{_file_name(meta.reader)}: LongRoPE needs both rope_factors_long.weight and "
+                         f"rope_factors_short.weight; the file has only one")
+    if long is not None:
+        if original is None:
+            raise ValueError(f"{_file_name(meta.reader)}: LongRoPE factors without "
+                             f"{meta.arch}.rope.scaling.original_context_length")
+        fields["rope_parameters"] = {**config["rope_parameters"], "rope_type": "longrope",
+                                     "long_factor": long.tolist(), "short_factor": short.tolist()}
+    return fields
+
+
+def _granite_config(meta: _Metadata, config: dict) -> dict:
+    keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+            "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+    return {hf: float(v) for hf, key in keys.items() if (v := meta.get(key, None)) is not None}
+
+
+def _cohere_config(meta: _Metadata, config: dict) -> dict:
+    fields = {"logit_scale": float(meta.get("logit_scale", 1.0)), "layer_norm_eps": config.pop("rms_norm_eps"),
+              "use_qk_norm": config["use_qk_norm"]}
+    if meta.arch == "cohere2":
+        window = meta.get("attention.sliding_window", None)
+        if window:
+            fields.update(sliding_window=int(window), layer_types=_layer_types(meta, config["num_hidden_layers"]))
+    return fields
 
 
 _ARCHS = {
@@ -42,7 +149,29 @@ _ARCHS = {
     "olmo2": _ArchSpec("Olmo2ForCausalLM", "olmo2", permute_qk=False,
                        layer_tensors=(("post_attention_norm", "post_attention_layernorm"),
                                       ("post_ffw_norm", "post_feedforward_layernorm"))),
+    "gemma2": _ArchSpec("Gemma2ForCausalLM", "gemma2", permute_qk=False, layer_tensors=_GEMMA_TENSORS,
+                        family_config=_gemma_config, norm_weights_plus_one=True),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, layer_tensors=_GEMMA_TENSORS,
+                        family_config=_gemma_config, norm_weights_plus_one=True),
+    # Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, ffn_up is gate_up_proj (gate rows first).
+    "phi3": _ArchSpec("Phi3ForCausalLM", "phi3", permute_qk=False, family_config=_phi3_config, partial_rotary=True,
+                      layer_tensors=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+    # Granite is converted as llama (q/k rows permuted), plus its four multipliers.
+    "granite": _ArchSpec("GraniteForCausalLM", "granite", permute_qk=True, family_config=_granite_config),
+    "command-r": _ArchSpec("CohereForCausalLM", "cohere", permute_qk=False, family_config=_cohere_config,
+                           partial_rotary=True),
+    "cohere2": _ArchSpec("Cohere2ForCausalLM", "cohere2", permute_qk=False, family_config=_cohere_config,
+                         partial_rotary=True),
 }
+# llama.cpp architectures of families kvserve runs from HF checkpoints only: what their GGUF needs that is not read.
+_NOT_READ = {
+    "gpt-oss": "gpt-oss runs from its HF checkpoint; its GGUF layout (attn_sinks, split biased experts, "
+               "MXFP4 tensors) is not read yet",
+    "deepseek2": "DeepSeek-V3 runs from its HF checkpoint; its GGUF layout (attn_kv_a_mqa, attn_k_b / attn_v_b "
+                 "latent tensors, exp_probs_b) is not read yet",
+}
+# Config-carrying tensors: read into the config by the family (Phi-3's LongRoPE factors), not weights.
+_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
 # llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
 _MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
@@ -72,7 +201,6 @@ _LAYER_TENSORS = {
 }
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
-_MISSING = object()
 
 
 class _FastGGUFReader(GGUFReader):
@@ -131,6 +259,8 @@ def _metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
 def _architecture(reader: GGUFReader) -> tuple[str, _ArchSpec]:
     arch = _metadata(reader, "general.architecture")
     spec = _ARCHS.get(arch)
+    if spec is None and arch in _NOT_READ:
+        raise ValueError(f"{_file_name(reader)}: GGUF architecture {arch!r} is not supported: {_NOT_READ[arch]}.")
     if spec is None:
         raise ValueError(
             f"{_file_name(reader)}: Unsupported GGUF architecture {arch!r}; kvserve can load: "
@@ -154,9 +284,10 @@ def _vocab_size(reader: GGUFReader, arch: str) -> int:
     return int(embed.shape[-1])  # GGUF shapes are (in, out): rows are the last dim
 
 
-def _head_dim(reader: GGUFReader, arch: str, hidden_size: int, num_heads: int) -> int:
+def _head_dim(reader: GGUFReader, arch: str, spec: _ArchSpec, hidden_size: int, num_heads: int) -> int:
     # key_length is explicit (Qwen3); llama GGUFs only record the rope dim, which is head_dim there.
-    for key in ("attention.key_length", "rope.dimension_count"):
+    keys = ("attention.key_length",) if spec.partial_rotary else ("attention.key_length", "rope.dimension_count")
+    for key in keys:
         value = _metadata(reader, f"{arch}.{key}", None)
         if value is not None:
             return int(value)
@@ -183,8 +314,8 @@ def read_gguf_config(source: GGUFSource) -> dict:
         "num_hidden_layers": int(arch_key("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(arch_key("attention.head_count_kv", num_heads)),
-        "head_dim": _head_dim(reader, arch, hidden_size, num_heads),
-        "rms_norm_eps": float(arch_key("attention.layer_norm_rms_epsilon")),
+        "head_dim": _head_dim(reader, arch, spec, hidden_size, num_heads),
+        "rms_norm_eps": _norm_eps(reader, arch),
         "rope_theta": rope_theta,
         # transformers >= 5 reads rope settings from here; older versions from rope_theta.
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
@@ -194,6 +325,14 @@ def read_gguf_config(source: GGUFSource) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
+    if spec.partial_rotary:
+        rotary = arch_key("rope.dimension_count", None)
+        if rotary is not None and int(rotary) != config["head_dim"]:
+            config["partial_rotary_factor"] = int(rotary) / config["head_dim"]
+    if arch in ("command-r", "cohere2"):
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    if spec.family_config is not None:
+        config.update(spec.family_config(_Metadata(reader, arch), config))
     experts = int(arch_key("expert_count", 0) or 0)
     if experts:
         config.update(_moe_config(arch, arch_key, experts, config["intermediate_size"]))
@@ -202,6 +341,16 @@ def read_gguf_config(source: GGUFSource) -> dict:
         if token_id is not None:
             config[f"{name}_token_id"] = int(token_id)
     return config
+
+
+def _norm_eps(reader: GGUFReader, arch: str) -> float:
+    # RMSNorm families record layer_norm_rms_epsilon; LayerNorm ones (Command-R) layer_norm_epsilon.
+    for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        value = _metadata(reader, f"{arch}.{key}", None)
+        if value is not None:
+            return float(value)
+    raise ValueError(f"{_file_name(reader)}: GGUF metadata key {arch + '.attention.layer_norm_rms_epsilon'!r} "
+                     f"is missing")
 
 
 def _moe_config(arch: str, arch_key, experts: int, intermediate_size: int) -> dict:
@@ -263,6 +412,8 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
     _, spec = _architecture(reader)
     config = read_gguf_config(reader) if spec.permute_qk else None
     for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
         stem = tensor.name.rsplit(".", 1)[0]
         if stem.split(".")[-1] in _EXPERT_TENSORS:
             yield from _per_expert(stem, _dequantize_tensor(tensor))
@@ -272,6 +423,8 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
         except ValueError as e:
             raise ValueError(f"{_file_name(reader)}: {e}") from None
         weights = _dequantize_tensor(tensor)
+        if spec.norm_weights_plus_one and tensor.name.endswith("norm.weight"):
+            weights -= 1.0  # HF's Gemma norms hold w and compute (1 + w)
         if hf_name.endswith("shared_expert_gate.weight") and weights.ndim == 1:
             weights = weights[None, :]  # llama.cpp stores the [1, hidden] gate as a vector
         if config is not None and ".attn_q." in tensor.name:

@@ -6,17 +6,117 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import asdict
 
 import numpy as np
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.cli import main as cli_main
+from kvserve.model.gguf_loader import iter_gguf_weights, read_gguf_config
+from kvserve.model.model_config import ModelConfig
 from tests.conftest import WINDOW, hf_greedy, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
 MAX_TOKENS = 8
+
+
+def _as_float32(value):
+    """GGUF stores float metadata as float32: compare config floats at that precision."""
+    if isinstance(value, float):
+        return float(np.float32(value))
+    if isinstance(value, dict):
+        return {k: _as_float32(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_float32(v) for v in value]
+    return value
+
+
+# Each family as llama.cpp's convert_hf_to_gguf.py writes it: fixture arch -> (GGUF arch, HF config changes).
+# Gemma's query_pre_attn_scalar is head_dim here because llama.cpp derives it (GGUF has no key for it), and
+# Gemma 3 has six layers because llama.cpp makes every sixth layer full.
+FAMILIES = {
+    "olmo2": ("olmo2", {}),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
+                          "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {}),
+    "granite": ("granite", {}),
+    "cohere": ("command-r", {}),
+    "cohere2": ("cohere2", {}),
+}
+
+
+def _family_model(arch: str, tiny_model_factory):
+    gguf_arch, changes = FAMILIES[arch]
+    if not changes:
+        return tiny_model_factory(arch)[1]
+    import torch
+    import transformers
+
+    from tests.conftest import _tiny_config
+
+    cfg = _tiny_config(arch)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(1234)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    # convert_hf_to_gguf's LlamaModel.permute: rotate-half rope rows become llama.cpp's interleaved pairs.
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_metadata(writer, cfg, gguf_arch: str) -> None:
+    def u32(key, value):
+        writer.add_uint32(f"{gguf_arch}.{key}", int(value))
+
+    def f32(key, value):
+        writer.add_float32(f"{gguf_arch}.{key}", float(value))
+
+    for key, value in (("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("block_count", cfg.num_hidden_layers), ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("context_length", cfg.max_position_embeddings), ("vocab_size", cfg.vocab_size)):
+        u32(key, value)
+    rope = cfg.rope_parameters
+    rope = rope.get("full_attention", rope)
+    f32("rope.freq_base", rope["rope_theta"])
+    if gguf_arch in ("command-r", "cohere2"):  # LayerNorm families
+        f32("attention.layer_norm_epsilon", cfg.layer_norm_eps)
+        f32("logit_scale", cfg.logit_scale)
+        u32("rope.dimension_count", cfg.hidden_size // cfg.num_attention_heads)
+    else:
+        f32("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if gguf_arch in ("gemma2", "gemma3"):
+        u32("attention.key_length", cfg.head_dim)
+        u32("attention.value_length", cfg.head_dim)
+        u32("attention.sliding_window", cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            f32("final_logit_softcapping", cfg.final_logit_softcapping)
+    if gguf_arch == "gemma2":
+        f32("attn_logit_softcapping", cfg.attn_logit_softcapping)
+    if gguf_arch == "gemma3" and rope.get("rope_type") == "linear":
+        writer.add_string(f"{gguf_arch}.rope.scaling.type", "linear")
+        f32("rope.scaling.factor", rope["factor"])
+    if gguf_arch == "phi3":
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        u32("rope.dimension_count", int(head_dim * cfg.partial_rotary_factor))
+        u32("attention.sliding_window", cfg.sliding_window or 0)
+        original = cfg.rope_parameters.get("original_max_position_embeddings")
+        if original:
+            u32("rope.scaling.original_context_length", original)
+    if gguf_arch == "granite":
+        f32("attention.scale", cfg.attention_multiplier)
+        f32("embedding_scale", cfg.embedding_multiplier)
+        f32("residual_scale", cfg.residual_multiplier)
+        f32("logit_scale", cfg.logits_scaling)
+    if gguf_arch == "cohere2":
+        u32("attention.sliding_window", cfg.sliding_window)
 
 
 def _write_gguf(hf_model, gguf_arch: str, path) -> None:
@@ -28,24 +128,30 @@ def _write_gguf(hf_model, gguf_arch: str, path) -> None:
     spec = gguf_loader._ARCHS[gguf_arch]
     to_gguf = {hf: g for g, hf in gguf_loader.layer_tensor_names(spec).items()}
     writer = gguf.GGUFWriter(str(path), gguf_arch)
-    for key, value in (("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
-                       ("block_count", cfg.num_hidden_layers), ("attention.head_count", cfg.num_attention_heads),
-                       ("attention.head_count_kv", cfg.num_key_value_heads),
-                       ("context_length", cfg.max_position_embeddings), ("vocab_size", cfg.vocab_size)):
-        writer.add_uint32(f"{gguf_arch}.{key}", value)
-    writer.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32(f"{gguf_arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    _write_metadata(writer, cfg, gguf_arch)
+    writer.add_bos_token_id(cfg.bos_token_id)  # the converter's SpecialVocab writes these from the tokenizer
+    writer.add_eos_token_id(cfg.eos_token_id)
+    if cfg.rope_parameters.get("rope_type") == "longrope":  # Phi-3: the factors are tensors in GGUF
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.asarray(cfg.rope_parameters[f"{kind}_factor"], dtype=np.float32))
     with tempfile.TemporaryDirectory() as tmp:
         hf_model.save_pretrained(tmp)
         state = load_file(f"{tmp}/model.safetensors")
     for name, tensor in state.items():
         w = tensor.float().numpy()
+        if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp multiplies by the stored norm weight; HF by (1 + weight)
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             writer.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
                                "output_norm.weight", "lm_head.weight": "output.weight"}[name], np.ascontiguousarray(w))
             continue
         _, _, layer, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
+        if gguf_arch == "granite" and module == "self_attn.q_proj":
+            w = _llama_permute(w, cfg.num_attention_heads)
+        elif gguf_arch == "granite" and module == "self_attn.k_proj":
+            w = _llama_permute(w, cfg.num_key_value_heads)
         writer.add_tensor(f"blk.{layer}.{to_gguf[module]}.{suffix}", np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -53,11 +159,21 @@ def _write_gguf(hf_model, gguf_arch: str, path) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("arch,gguf_arch", [("olmo2", "olmo2")])
-def test_gguf_family_matches_hf_and_plans(tiny_model_factory, tmp_path, capsys, arch, gguf_arch):
-    _, hf_model = tiny_model_factory(arch)
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_gguf_family_matches_hf_and_plans(tiny_model_factory, tmp_path, capsys, arch):
+    gguf_arch = FAMILIES[arch][0]
+    hf_model = _family_model(arch, tiny_model_factory)
     path = tmp_path / f"{arch}.gguf"
     _write_gguf(hf_model, gguf_arch, path)
+    # What llama.cpp keeps out of the tensors' shapes (caps, multipliers, rope, windows) becomes the same
+    # kvserve config as the HF checkpoint's; greedy tokens alone miss some (a logit scale keeps the argmax).
+    assert _as_float32(asdict(ModelConfig.from_hf_dict(read_gguf_config(path)))) == \
+        _as_float32(asdict(ModelConfig.from_hf_dict(hf_model.config.to_dict())))
+    expected = hf_model.state_dict()
+    loaded = dict(iter_gguf_weights(path))
+    assert set(expected) - set(loaded) <= {"lm_head.weight"} and set(loaded) <= set(expected)
+    for name, tensor in loaded.items():  # Gemma's norms come back from 1 + w: equal up to fp32 rounding
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
     prompts = random_prompts(3, WINDOW, 3 * WINDOW, seed=17)
     llm = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True,
               max_num_batched_tokens=32, max_num_seqs=4)
@@ -70,3 +186,49 @@ def test_gguf_family_matches_hf_and_plans(tiny_model_factory, tmp_path, capsys, 
     # The plan counts the linear layers and embeddings exactly, norms roughly (per-family norms are small).
     assert plan["num_params"] == pytest.approx(sum(p.numel() for p in hf_model.parameters()), rel=1e-3)
     assert plan["num_blocks"] > 0
+
+
+def _metadata_only_gguf(path, gguf_arch: str, hf_config, extra) -> None:
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    _write_metadata(writer, hf_config, gguf_arch)
+    extra(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch,extra,match", [
+    ("gemma3", lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), r"gemma3\.rope\.scaling\.type 'yarn'"),
+    ("phi3-longrope", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32)),
+     r"rope_factors_short\.weight"),
+    ("phi3-longrope", lambda w: [w.add_tensor(f"rope_factors_{k}.weight", np.ones(4, dtype=np.float32))
+                                 for k in ("long", "short")], r"rope\.scaling\.original_context_length"),
+])
+def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, extra, match):
+    from tests.conftest import _tiny_config
+
+    gguf_arch = FAMILIES[arch][0]
+    cfg = _tiny_config(arch)
+    if gguf_arch == "phi3":  # the factors alone, without the original length the converter writes beside them
+        cfg.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k != "original_max_position_embeddings"}
+    path = tmp_path / f"{arch}.gguf"
+    _metadata_only_gguf(path, gguf_arch, cfg, extra)
+    with pytest.raises(ValueError, match=match):
+        read_gguf_config(path)
+
+
+@pytest.mark.parametrize("gguf_arch,match", [("gpt-oss", "attn_sinks"), ("deepseek2", "attn_kv_a_mqa")])
+def test_gguf_of_families_run_from_hf_only_is_refused_by_name(tmp_path, gguf_arch, match):
+    path = tmp_path / f"{gguf_arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"GGUF architecture '{gguf_arch}' is not supported: .*{match}"):
+        read_gguf_config(path)
+    with pytest.raises(ValueError, match=f"'{gguf_arch}'"):
+        LLM(str(path), skip_tokenizer_init=True)
