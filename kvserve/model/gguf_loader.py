@@ -2,8 +2,9 @@
 
 Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
 expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmo2", "gemma2", "gemma3", "phi3", "granite",
-"command-r" and "cohere2". Family settings that llama.cpp keeps outside the HF config's shape (Gemma's
-(1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers) are turned back into HF's. A MoE layer's stacked expert tensors
+"command-r", "cohere2" and "gpt-oss". Family settings that llama.cpp keeps outside the HF config's shape (Gemma's
+(1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers, gpt-oss's split experts) are
+turned back into HF's. A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
 so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
@@ -39,6 +40,9 @@ class _ArchSpec:
     norm_weights_plus_one: bool = False
     # rope.dimension_count is the rotary part of the head (Phi-4-mini, Command R7B), not head_dim.
     partial_rotary: bool = False
+    # gpt-oss: HF stacks each layer's experts as one gate_up_proj [E, H, 2I] (gate and up features
+    # interleaved) and down_proj [E, I, H]; llama.cpp's converter splits and transposes them.
+    hf_stacked_experts: bool = False
 
 
 _GEMMA_TENSORS = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
@@ -47,7 +51,7 @@ _GEMMA_TENSORS = (("post_attention_norm", "post_attention_layernorm"), ("ffn_nor
 # layer count) and by 1/sqrt(head_dim) otherwise; GGUF has no query_pre_attn_scalar key.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's windowed-layer patterns where the file does not carry one: every n-th layer is full.
-_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,37 @@ def _cohere_config(meta: _Metadata, config: dict) -> dict:
     return fields
 
 
+def _gpt_oss_config(meta: _Metadata, config: dict) -> dict:
+    fields = {"swiglu_limit": _uniform(meta, "swiglu_clamp_exp", 7.0)}  # llama.cpp's gpt-oss graph: 7
+    window = meta.get("attention.sliding_window", None)
+    if window:
+        fields.update(sliding_window=int(window), layer_types=_layer_types(meta, config["num_hidden_layers"]))
+    kind = meta.get("rope.scaling.type", "none")
+    if kind == "yarn":
+        # gpt-oss's own config turns YaRN's truncation off; the GGUF does not record it.
+        fields["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": config["rope_theta"], "factor": float(meta.get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length")),
+            "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    elif kind != "none":
+        raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.rope.scaling.type {kind!r} is not gpt-oss's "
+                         f"(yarn or none)")
+    return fields
+
+
+def _uniform(meta: _Metadata, key: str, default: float) -> float:
+    """A per-layer metadata array that kvserve holds as one number: refused unless every layer agrees."""
+    value = meta.get(key, None)
+    if value is None:
+        return default
+    values = set(value) if isinstance(value, list) else {value}
+    if len(values) != 1:
+        raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.{key} differs between layers ({sorted(values)}); "
+                         f"kvserve supports one value for every layer")
+    return float(values.pop())
+
+
 _ARCHS = {
     "llama": _ArchSpec("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", "qwen2", permute_qk=False),
@@ -162,18 +197,22 @@ _ARCHS = {
                            partial_rotary=True),
     "cohere2": _ArchSpec("Cohere2ForCausalLM", "cohere2", permute_qk=False, family_config=_cohere_config,
                          partial_rotary=True),
+    "gpt-oss": _ArchSpec("GptOssForCausalLM", "gpt_oss", permute_qk=False, family_config=_gpt_oss_config,
+                         hf_stacked_experts=True,
+                         layer_tensors=(("post_attention_norm", "post_attention_layernorm"),
+                                        ("attn_sinks", "self_attn.sinks"), ("ffn_gate_inp", "mlp.router"))),
 }
 # llama.cpp architectures of families kvserve runs from HF checkpoints only: what their GGUF needs that is not read.
 _NOT_READ = {
-    "gpt-oss": "gpt-oss runs from its HF checkpoint; its GGUF layout (attn_sinks, split biased experts, "
-               "MXFP4 tensors) is not read yet",
     "deepseek2": "DeepSeek-V3 runs from its HF checkpoint; its GGUF layout (attn_kv_a_mqa, attn_k_b / attn_v_b "
                  "latent tensors, exp_probs_b) is not read yet",
 }
 # Config-carrying tensors: read into the config by the family (Phi-3's LongRoPE factors), not weights.
 _CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
 # llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
-_MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
+# HF parameters that are not a module's weight: GGUF's blk.N.attn_sinks.weight is HF's self_attn.sinks.
+_BARE_PARAMETERS = {"self_attn.sinks"}
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -359,6 +398,8 @@ def _moe_config(arch: str, arch_key, experts: int, intermediate_size: int) -> di
            "norm_topk_prob": _MOE_RENORMALISE[arch],
            "moe_intermediate_size": int(arch_key("expert_feed_forward_length", intermediate_size)),
            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "gpt-oss":  # HF's gpt-oss config names the expert width intermediate_size
+        moe.update(num_local_experts=experts, intermediate_size=moe["moe_intermediate_size"])
     if arch == "llama":  # Mixtral: llama with experts
         moe.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts)
     shared = arch_key("expert_shared_feed_forward_length", None)
@@ -380,6 +421,8 @@ def gguf_to_hf_name(gguf_name: str, spec: _ArchSpec | None = None) -> str:
     if len(parts) == 1 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        if layer_tensors[parts[2]] in _BARE_PARAMETERS and suffix == "weight":
+            return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
         return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known transformers equivalent")
 
@@ -411,11 +454,18 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
     reader = _as_reader(source)
     _, spec = _architecture(reader)
     config = read_gguf_config(reader) if spec.permute_qk else None
+    gate_up_halves: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        stem = tensor.name.rsplit(".", 1)[0]
+        stem, suffix = tensor.name.rsplit(".", 1)
+        if stem.split(".")[-1] in _EXPERT_TENSORS and spec.hf_stacked_experts:
+            yield from _hf_stacked_expert(stem, suffix, _dequantize_tensor(tensor), gate_up_halves)
+            continue
         if stem.split(".")[-1] in _EXPERT_TENSORS:
+            if suffix != "weight":
+                raise ValueError(f"{_file_name(reader)}: GGUF tensor {tensor.name!r}: expert biases are "
+                                 f"read for gpt-oss only")
             yield from _per_expert(stem, _dequantize_tensor(tensor))
             continue
         try:
@@ -432,6 +482,30 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
         elif config is not None and ".attn_k." in tensor.name:
             weights = _unpermute_qk(weights, config["num_key_value_heads"])
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weights))
+    for (layer, suffix), halves in gate_up_halves.items():
+        have, lack = next(iter(halves)), ({"ffn_gate_exps", "ffn_up_exps"} - set(halves)).pop()
+        raise ValueError(f"{_file_name(reader)}: blk.{layer}.{have}.{suffix} has no blk.{layer}.{lack}.{suffix}; "
+                         f"gpt-oss's experts need both")
+
+
+def _hf_stacked_expert(stem: str, suffix: str, stacked: np.ndarray, gate_up_halves: dict):
+    """llama.cpp's split gpt-oss experts back into HF's stacked gate_up_proj / down_proj (and biases)."""
+    _, layer, kind = stem.split(".")
+    prefix = f"model.layers.{int(layer)}.mlp.experts"
+    bias = suffix == "bias"
+    if kind == "ffn_down_exps":  # [E, H, I] -> [E, I, H]; its bias [E, H] as is
+        value = stacked if bias else stacked.swapaxes(1, 2)
+        yield f"{prefix}.down_proj{'_bias' if bias else ''}", torch.from_numpy(np.ascontiguousarray(value))
+        return
+    halves = gate_up_halves.setdefault((layer, suffix), {})
+    halves[kind] = stacked
+    if len(halves) < 2:
+        return
+    del gate_up_halves[(layer, suffix)]
+    gate, up = halves["ffn_gate_exps"], halves["ffn_up_exps"]  # [E, I, H] (weights) or [E, I] (biases)
+    fused = np.stack([gate, up], axis=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+    value = fused if bias else fused.swapaxes(1, 2)  # interleaved rows [E, 2I, H] -> HF's [E, H, 2I]
+    yield f"{prefix}.gate_up_proj{'_bias' if bias else ''}", torch.from_numpy(np.ascontiguousarray(value))
 
 
 def _per_expert(stem: str, stacked: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:

@@ -47,6 +47,8 @@ FAMILIES = {
     "granite": ("granite", {}),
     "cohere": ("command-r", {}),
     "cohere2": ("cohere2", {}),
+    # llama.cpp's gpt-oss graph clamps the SwiGLU at 7 (GGUF has no key for it).
+    "gpt-oss": ("gpt-oss", {"swiglu_limit": 7.0}),
 }
 
 
@@ -54,16 +56,23 @@ def _family_model(arch: str, tiny_model_factory):
     gguf_arch, changes = FAMILIES[arch]
     if not changes:
         return tiny_model_factory(arch)[1]
-    import torch
     import transformers
 
     from tests.conftest import _tiny_config
+    from tests.model.test_models_gpt_oss import _hf_config
 
-    cfg = _tiny_config(arch)
+    cfg = _hf_config() if arch == "gpt-oss" else _tiny_config(arch)
     for key, value in changes.items():
         setattr(cfg, key, value)
     torch.manual_seed(1234)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if arch == "gpt-oss":
+        with torch.no_grad():  # HF initialises the expert biases to zero and the sinks small: make them count
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.2)
+                layer.mlp.experts.down_proj_bias.normal_(0, 0.2)
+                layer.self_attn.sinks.normal_(0, 1.5)
+    return model
 
 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -117,9 +126,35 @@ def _write_metadata(writer, cfg, gguf_arch: str) -> None:
         f32("logit_scale", cfg.logits_scaling)
     if gguf_arch == "cohere2":
         u32("attention.sliding_window", cfg.sliding_window)
+    if gguf_arch == "gpt-oss":
+        u32("attention.key_length", cfg.head_dim)
+        u32("attention.value_length", cfg.head_dim)
+        u32("attention.sliding_window", cfg.sliding_window)
+        u32("expert_count", cfg.num_local_experts)
+        u32("expert_used_count", cfg.num_experts_per_tok)
+        u32("expert_feed_forward_length", cfg.intermediate_size)
+        writer.add_string(f"{gguf_arch}.rope.scaling.type", "yarn")
+        f32("rope.scaling.factor", rope["factor"])
+        u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"])
 
 
-def _write_gguf(hf_model, gguf_arch: str, path) -> None:
+def _gpt_oss_split(hf_param: str, w: np.ndarray):
+    """convert_hf_to_gguf's GptOssModel: the sinks as a weight; the stacked [E, in, out] experts transposed to
+    [E, out, in], gate_up's interleaved features split into gate (even) and up (odd)."""
+    if hf_param == "sinks":
+        yield "attn_sinks.weight", w
+    elif hf_param == "down_proj":
+        yield "ffn_down_exps.weight", w.swapaxes(1, 2)
+    elif hf_param == "down_proj_bias":
+        yield "ffn_down_exps.bias", w
+    else:
+        bias = hf_param == "gate_up_proj_bias"
+        rows = w if bias else w.swapaxes(1, 2)
+        yield f"ffn_gate_exps.{'bias' if bias else 'weight'}", rows[:, 0::2]
+        yield f"ffn_up_exps.{'bias' if bias else 'weight'}", rows[:, 1::2]
+
+
+def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> None:
     from safetensors.torch import load_file
 
     from kvserve.model import gguf_loader
@@ -148,6 +183,14 @@ def _write_gguf(hf_model, gguf_arch: str, path) -> None:
             continue
         _, _, layer, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
+        if gguf_arch == "gpt-oss" and module in ("self_attn", "mlp.experts"):
+            for gguf_name, value in _gpt_oss_split(suffix, w):
+                if expert_type is not None and gguf_name.endswith("_exps.weight"):  # as llama.cpp ships gpt-oss
+                    writer.add_tensor(f"blk.{layer}.{gguf_name}", gguf.quants.quantize(value, expert_type),
+                                      raw_dtype=expert_type)
+                else:
+                    writer.add_tensor(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(value))
+            continue
         if gguf_arch == "granite" and module == "self_attn.q_proj":
             w = _llama_permute(w, cfg.num_attention_heads)
         elif gguf_arch == "granite" and module == "self_attn.k_proj":
@@ -188,6 +231,29 @@ def test_gguf_family_matches_hf_and_plans(tiny_model_factory, tmp_path, capsys, 
     assert plan["num_blocks"] > 0
 
 
+def test_gpt_oss_gguf_with_mxfp4_experts_matches_hf_on_its_dequantized_weights(tmp_path):
+    """llama.cpp's gpt-oss GGUFs hold the experts in MXFP4: kvserve dequantizes them; the oracle is HF with
+    the experts replaced by gguf-py's dequantization of the same blocks."""
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    hf_model = _family_model("gpt-oss", None)
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    _write_gguf(hf_model, "gpt-oss", path, expert_type=mxfp4)
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            experts = layer.mlp.experts
+            for param in (experts.gate_up_proj, experts.down_proj):  # [E, in, out]: MXFP4 blocks run along `in`
+                rows = param.numpy().swapaxes(1, 2)
+                dequantized = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(rows), mxfp4), mxfp4)
+                assert not np.array_equal(dequantized, rows)  # the quantization is lossy: the check means something
+                param.copy_(torch.from_numpy(dequantized.swapaxes(1, 2).copy()))
+    prompts = random_prompts(3, WINDOW, 3 * WINDOW, seed=17)
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True,
+              max_num_batched_tokens=32, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_model, prompts, MAX_TOKENS)
+
+
 def _metadata_only_gguf(path, gguf_arch: str, hf_config, extra) -> None:
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     _write_metadata(writer, hf_config, gguf_arch)
@@ -219,7 +285,7 @@ def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, extra, matc
         read_gguf_config(path)
 
 
-@pytest.mark.parametrize("gguf_arch,match", [("gpt-oss", "attn_sinks"), ("deepseek2", "attn_kv_a_mqa")])
+@pytest.mark.parametrize("gguf_arch,match", [("deepseek2", "attn_kv_a_mqa")])
 def test_gguf_of_families_run_from_hf_only_is_refused_by_name(tmp_path, gguf_arch, match):
     path = tmp_path / f"{gguf_arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
