@@ -1,8 +1,9 @@
 """The interface every grammar library is used through: compile a constraint once, then one matcher per
 sequence that accepts tokens, fills its row of the token bitmask and rolls back.
 
-`rollback(n)` exists for speculative decoding (rejected draft tokens); preemption needs none, because a
-preempted request keeps its output tokens and so its matcher's state.
+`rollback(n)` serves speculative decoding: a step's mask rows for draft tokens are filled by advancing
+over the drafts, then rolling back. Preemption needs none: a preempted request keeps its output tokens and
+so its matcher's state.
 """
 
 from __future__ import annotations
