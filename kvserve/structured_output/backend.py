@@ -21,6 +21,12 @@ class Matcher(ABC):
     def fill_bitmask(self, bitmask, row: int) -> None:
         """Writes the allowed next tokens into row `row` of an int32 [rows, ceil(vocab / 32)] CPU tensor."""
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[Matcher], bitmask, rows: list[int]) -> None:
+        """Row rows[i] for matchers[i], all of this class: a library that fills many at once does so."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
+
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Forgets the last `num_tokens` accepted tokens."""

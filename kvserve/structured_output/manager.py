@@ -121,13 +121,25 @@ class StructuredOutputManager:
                 entries.append((s.request_id, st, drafts))
         if not entries:
             return None, {}
-        # All ones by default: a position past a draft the grammar refuses (or past its end) is never sampled.
-        bitmask = torch.full((sum(1 + len(d) for _, _, d in entries), self.num_words), -1, dtype=torch.int32)
+        num_rows = sum(1 + len(d) for _, _, d in entries)
+        if any(d for _, _, d in entries):
+            # All ones by default: a position past a draft the grammar refuses (or its end) is never sampled.
+            bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+        else:
+            bitmask = torch.empty((num_rows, self.num_words), dtype=torch.int32)
         first_rows, row = {}, 0
+        one_row: dict[type, tuple[list, list[int]]] = {}  # per matcher class: (matchers, rows), filled at once
         for rid, st, drafts in entries:
             first_rows[rid] = row
-            self._fill_rows(st, drafts, bitmask, row)
+            if drafts:
+                self._fill_rows(st, drafts, bitmask, row)
+            else:
+                matchers, rows = one_row.setdefault(type(st.matcher), ([], []))
+                matchers.append(st.matcher)
+                rows.append(row)
             row += 1 + len(drafts)
+        for cls, (matchers, rows) in one_row.items():
+            cls.fill_bitmasks(matchers, bitmask, rows)
         return bitmask, first_rows
 
     def _fill_rows(self, st: _State, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:

@@ -233,3 +233,28 @@ def test_thinking_ended_in_prompt():
     assert thinking_ended_in([1, 5, 2, 6], [5], [6])
     assert not thinking_ended_in([1, 6, 5], [5], [6])
     assert not thinking_ended_in([1, 2], [5], [6])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_filling_many_rows_at_once_equals_one_by_one(smol_tokenizer, backend):
+    """A step's rows filled together (xgrammar's threaded batch) are the rows each matcher fills alone."""
+    c = GrammarCompiler(smol_tokenizer, VOCAB, [smol_tokenizer.eos_token_id], StructuredOutputsConfig(backend=backend))
+    grammar = c.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 8}, "b": {"enum": ["x", "yy"]}}, "required": ["a", "b"]}))
+    texts = ['', '{"a": "', '{"a": "hi', '{"a": "hi", "b": ', '{"a": "hi", "b": "yy"}']
+    matchers = []
+    for text in texts:
+        m = grammar.new_matcher()
+        for t in smol_tokenizer.encode(text, add_special_tokens=False):
+            assert m.accept_token(t)
+        matchers.append(m)
+    words = -(-VOCAB // 32)
+    alone = torch.zeros((len(texts), words), dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(alone, i)
+    together = torch.zeros((len(texts) + 2, words), dtype=torch.int32)
+    rows = [6, 0, 3, 1, 5]  # any rows, in any order
+    type(matchers[0]).fill_bitmasks(matchers, together, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(together[row], alone[i]), texts[i]
+    assert len({tuple(r.tolist()) for r in alone}) == len(texts)  # the states differ: the check can fail
