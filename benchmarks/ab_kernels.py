@@ -1,6 +1,7 @@
 """Old against new kernels on the GPU, each checked against the other before it is timed; a table last.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only fp8-fusion,prefill] [--out DIR]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only int4,fp8,fp8-fusion,prefill]
+        [--sweep] [--out DIR]
 
 * fp8-fusion: the W8A8 inputs of Llama-3.1-8B's layer (hidden 4096 after RMSNorm, intermediate 14336 after
   SiLU*mul) at M = 32 .. 16,384 rows: the 16-bit kernel + fp8_quant.quantize_per_token (before) against
@@ -10,12 +11,24 @@
   on 6,144 cached tokens) for a grid of launch configurations; each must match the one the backend picks
   now within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products).
 
+* int4: AWQ-int4 layers (group 128, bf16) of Llama-3.1-8B's four linear shapes at M = 1 .. 256 rows: the
+  old path (split-K skinny kernel up to 16 rows, dequantize + cuBLAS above) against the tensor-core GEMM
+  (kvserve/ops/triton_int_mma.py), and which one int_matmul.INT_PATHS (printed) selects at each M.
+* fp8: FP8 layers (per-channel scales, bf16 activations) of the same shapes: the old path (the W8A16 kernel
+  of triton_fp8_gemm.py up to 16 rows, per-token quantization + torch._scaled_mm above) against the one-launch
+  decode kernel (kvserve/ops/triton_fp8_gemv.py), and what fp8_matmul.FP8_PATHS (printed) selects.
+  int4 and fp8 rows are timed from CUDA-graph replays over several copies of the layer's weights (so they
+  come from HBM, not the 50 MB L2), and checked against the fp32 product of the dequantized weight
+  (max |err| / max |ref|). `--sweep` also times candidate launch configurations of the new kernels (the
+  best per M goes into the tables).
+
 Timing: triton.testing.do_bench (median of many runs, L2 flushed between them), in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -128,34 +141,268 @@ def prefill(rows_out: list) -> None:
             print(json.dumps(rows_out[-1]), flush=True)
 
 
-SECTIONS = {"fp8-fusion": fp8_fusion, "prefill": prefill}
+# Llama-3.1-8B's linear layers, (K, N).
+LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+LINEAR_MS = (1, 8, 16, 32, 64, 128, 256)
+L2_DEFEAT_BYTES = 256 << 20  # weight bytes each replay streams, in copies of the layer
+INT4_GROUP = 128
+INT4_TOL, W8A16_TOL, W8A8_TOL = 2e-2, 2e-2, 0.1  # of max |ref|; W8A8 also quantizes the activations
+
+
+def _bench_copies(fn, copies: int) -> float:
+    """us per call of fn(i) over `copies` weight copies, from CUDA-graph replays."""
+    import triton.testing
+
+    def run():
+        for i in range(copies):
+            fn(i)
+    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=15) / copies
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+
+def _timed(fn, copies: int, ref: torch.Tensor) -> dict:
+    try:
+        err = _rel_err(fn(0), ref)
+        return {"us": _bench_copies(fn, copies), "err": err}
+    except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
+        return {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+
+
+def _int4_layer(k: int, n: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(k * 7 + n)
+    return {"qweight": torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda", generator=g),
+            "scales": (torch.rand(k // INT4_GROUP, n, device="cuda", generator=g) * 0.01 + 0.001).to(torch.bfloat16),
+            "zeros": torch.randint(0, 16, (k // INT4_GROUP, n), device="cuda", generator=g).to(torch.bfloat16)}
+
+
+def _int4_reference_weight(layer: dict) -> torch.Tensor:
+    """W [K, N] bf16 by torch ops: (q - z) * s in fp32, rounded once, as IntWeights.dequantize."""
+    from kvserve.model.quantization.int_weights import unpack_rows
+
+    q = unpack_rows(layer["qweight"], 4)
+    k, n = q.shape
+    q = q.view(k // INT4_GROUP, INT4_GROUP, n).float()
+    w = (q - layer["zeros"].float()[:, None]) * layer["scales"].float()[:, None]
+    return w.reshape(k, n).to(torch.bfloat16)
+
+
+def _mma_candidates(m: int) -> list:
+    block_m = max(16, min(128, 1 << (m - 1).bit_length()))
+    out = [(128, block_m, 64, 4, 4), (128, block_m, 128, 4, 3), (64, block_m, 128, 4, 4), (128, block_m, 64, 8, 3),
+           (256, block_m, 64, 8, 3)]
+    return out + ([(128, 64, 64, 4, 4), (128, 64, 128, 4, 3)] if block_m > 64 else [])
+
+
+def int4(rows_out: list, sweep: bool = False) -> None:
+    from kvserve.model.quantization import int_matmul as rule
+    from kvserve.ops.triton_int_dequant import dequantize_int
+    from kvserve.ops.triton_int_gemv import skinny_int_gemm
+    from kvserve.ops.triton_int_mma import mma_int_gemm
+
+    for name, (k, n) in LINEAR_SHAPES.items():
+        weight_bytes = k * n // 2 + 2 * (k // INT4_GROUP) * n * 2  # packed weight, bf16 scales and zeros
+        copies = max(2, min(16, -(-L2_DEFEAT_BYTES // weight_bytes)))
+        layers = [_int4_layer(k, n) for _ in range(copies)]
+        w_ref = _int4_reference_weight(layers[0]).float()
+        for m in LINEAR_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w_ref
+            args = lambda i: (layers[i]["qweight"], layers[i]["scales"], layers[i]["zeros"], None, 4, INT4_GROUP)
+            if m <= rule.SKINNY_MAX_M:
+                config = rule.skinny_config(m, 4)
+                split = rule.skinny_split_k(n, k, x.device, config, m)
+                old_name, old = "skinny", lambda i: skinny_int_gemm(x, *args(i), split, config)
+            else:
+                old_name, old = "dequant+cuBLAS", lambda i: torch.matmul(x, dequantize_int(*args(i), x.dtype))
+            path = rule.int_path(m)
+            mma_config = rule.mma_config(m)
+            row = {"section": "int4", "shape": name, "K": k, "N": n, "M": m, "old": old_name,
+                   "old_run": _timed(old, copies, ref), "new_config": mma_config,
+                   "new_run": _timed(lambda i: mma_int_gemm(x, *args(i), mma_config), copies, ref),
+                   "selected": path.kernel, "bytes": weight_bytes, "flops": 2 * m * k * n}
+            if sweep:
+                row["sweep"] = {str(c): _timed(lambda i, c=c: mma_int_gemm(x, *args(i), c), copies, ref)
+                                for c in _mma_candidates(m)}
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        del layers, w_ref
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _fp8_layer(k: int, n: int):
+    from kvserve.model.quantization.fp8 import quantize_per_channel
+
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05 * torch.rand(n, 1, device="cuda", generator=g)
+    return quantize_per_channel(w)
+
+
+GEMV_CANDIDATES = {1: [(16, 512, 4, 3), (32, 256, 4, 4), (8, 1024, 4, 3), (16, 1024, 8, 3), (64, 128, 4, 4),
+                       (32, 512, 8, 3)],
+                   16: [(64, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (64, 512, 8, 3), (128, 256, 8, 3),
+                        (16, 256, 4, 4)]}
+
+
+def fp8(rows_out: list, sweep: bool = False) -> None:
+    from kvserve.model.quantization.fp8_matmul import GEMV_CONFIGS, fp8_path
+    from kvserve.ops import fp8_quant
+    from kvserve.ops.triton_fp8_gemm import w8a16_gemm
+    from kvserve.ops.triton_fp8_gemv import MAX_ROWS, fp8_gemv
+
+    for name, (k, n) in LINEAR_SHAPES.items():
+        copies = max(2, min(16, -(-L2_DEFEAT_BYTES // (k * n))))
+        layers = [_fp8_layer(k, n) for _ in range(copies)]
+        w_ref = layers[0][0].float() * layers[0][1][:, None]
+        for m in LINEAR_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w_ref.T
+            if m <= 16:
+                old_name, old = "w8a16", lambda i: w8a16_gemm(x, *layers[i])
+            else:
+                def old(i):
+                    xq, xs = fp8_quant.quantize_per_token(x)
+                    return torch._scaled_mm(xq, layers[i][0].t(), scale_a=xs, scale_b=layers[i][1].view(1, -1),
+                                            out_dtype=torch.bfloat16)
+                old_name = "quant+scaled_mm"
+            path = fp8_path(m)
+            row = {"section": "fp8", "shape": name, "K": k, "N": n, "M": m, "old": old_name,
+                   "old_run": _timed(old, copies, ref), "selected": path.kernel, "bytes": k * n,
+                   "flops": 2 * m * k * n}
+            if m <= MAX_ROWS:
+                config = GEMV_CONFIGS[1 if m == 1 else MAX_ROWS]
+                row["new_config"] = config
+                row["new_run"] = _timed(lambda i: fp8_gemv(x, *layers[i], config), copies, ref)
+                if sweep:
+                    row["sweep"] = {str(c): _timed(lambda i, c=c: fp8_gemv(x, *layers[i], c), copies, ref)
+                                    for c in GEMV_CANDIDATES[1 if m == 1 else 16]}
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        del layers, w_ref
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _print_quant_tables(rows: list, section: str, table, measured: dict) -> list:
+    """The section's markdown table and selection table; returns the rows whose error is over tolerance.
+    measured[section] becomes the selection table the measurement supports: a bucket takes the new kernel (with
+    the launch measured at the bucket's largest M) where it won at every M measured in the bucket."""
+    bad = []
+    sel = [r for r in rows if r["section"] == section]
+    if not sel:
+        return bad
+    print(f"\n## {section}: time per layer (us), weights from HBM; err = max |err| / max |ref| vs fp32 dequantized")
+    print("| layer | M | old path | old us | old GB/s | old TFLOP/s | new us | new GB/s | new TFLOP/s | old/new |"
+          " err old / new | selected | best swept config (us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sel:
+        cells = []
+        for key in ("old_run", "new_run"):
+            run = r.get(key)
+            if run is None:
+                cells.append(("-", "-", "-", "-"))
+            elif "error" in run:
+                cells.append((f"failed: {run['error'][:60]}", "", "", "-"))
+            else:
+                cells.append((f"{run['us']:.1f}", f"{r['bytes'] / run['us'] / 1e3:.0f}",
+                              f"{r['flops'] / run['us'] / 1e6:.1f}", f"{run['err']:.1e}"))
+                tol = (W8A8_TOL if r["old"] == "quant+scaled_mm" and key == "old_run" else
+                       INT4_TOL if section == "int4" else W8A16_TOL)
+                if run["err"] > tol:
+                    bad.append(r)
+        ratio = "-"
+        if "us" in (r.get("old_run") or {}) and "us" in (r.get("new_run") or {}):
+            ratio = f"{r['old_run']['us'] / r['new_run']['us']:.2f}x"
+        best = "-"
+        if r.get("sweep"):
+            ok = {c: v for c, v in r["sweep"].items() if "us" in v and v["err"] <= W8A16_TOL}
+            if ok:
+                c = min(ok, key=lambda c: ok[c]["us"])
+                best = f"{c} ({ok[c]['us']:.1f})"
+        (ou, og, ot, oe), (nu, ng, nt, ne) = cells
+        print(f"| {r['shape']} {r['K']}->{r['N']} | {r['M']} | {r['old']} | {ou} | {og} | {ot} | {nu} | {ng} | {nt} | "
+              f"{ratio} | {oe} / {ne} | {r['selected']} | {best} |")
+    print(f"\n{section}: the engine's selection table now (max rows, kernel, config):")
+    for entry in table:
+        print(f"  {tuple(entry)}")
+    # Per bucket of the table: the new kernel's and the old path's time summed over the four shapes (one
+    # decoder layer's linears); the new kernel should serve the bucket where it wins at every M measured.
+    print(f"{section}: new kernel vs old path per bucket, summed over the shapes (us):")
+    low = 0
+    for entry in table:
+        ms = sorted({r["M"] for r in sel if low < r["M"] <= entry[0]})
+        wins = []
+        for m in ms:
+            at_m = [r for r in sel if r["M"] == m]
+            if all("us" in (r.get("new_run") or {}) and "us" in (r.get("old_run") or {}) for r in at_m):
+                old_us = sum(r["old_run"]["us"] for r in at_m)
+                new_us = sum(r["new_run"]["us"] for r in at_m)
+                wins.append(new_us < old_us)
+                print(f"  M={m}: old {old_us:.1f}, new {new_us:.1f} -> {'new' if new_us < old_us else 'old'}"
+                      f" (selected: {entry[1]})")
+        supported = tuple(entry)
+        if wins:
+            verdict = "new kernel" if all(wins) else "old path"
+            print(f"  bucket up to {entry[0]} rows: the measurement supports the {verdict}")
+            if all(wins):
+                widest = max((r for r in sel if r["M"] in ms), key=lambda r: r["M"])
+                supported = (entry[0], NEW_KERNEL[section], tuple(widest["new_config"]))
+        measured.setdefault(section, []).append(supported)
+        low = entry[0]
+    return bad
+
+
+# The kernel name a selection table gives the new kernel of each section.
+NEW_KERNEL = {"int4": "mma", "fp8": "gemv"}
+
+
+SECTIONS = {"int4": int4, "fp8": fp8, "fp8-fusion": fp8_fusion, "prefill": prefill}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument("--sweep", action="store_true", help="int4, fp8: also time candidate launch configurations")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows: list[dict] = []
     for name in args.only.split(","):
-        SECTIONS[name](rows)
+        if name in ("int4", "fp8"):
+            SECTIONS[name](rows, args.sweep)
+        else:
+            SECTIONS[name](rows)
     with open(os.path.join(args.out, "ab_kernels.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| case | before (us) | now (us) | now / before | same output |\n|---|---|---|---|---|")
+    if any(r["section"] == "fp8-fusion" for r in rows):
+        print("| case | before (us) | now (us) | now / before | same output |\n|---|---|---|---|---|")
     for r in rows:
         if r["section"] == "fp8-fusion":
             print(f"| {r['case']} | {r['before_us']} | {r['now_us']} | {r['now_us'] / r['before_us']:.2f} | "
                   f"{r['same_output']} |")
-    print("\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | max diff vs current |\n"
-          "|---|---|---|---|---|")
+    if any(r["section"] == "prefill" for r in rows):
+        print("\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | max diff vs current |\n"
+              "|---|---|---|---|---|")
     for r in rows:
         if r["section"] == "prefill":
             if "error" in r:
                 print(f"| {r['case']} | {r['config']} | failed: {r['error']} | | |")
             else:
                 print(f"| {r['case']} | {r['config']} | {r['us']} | {r['tflops']} | {r['max_abs_diff_vs_current']} |")
+    from kvserve.model.quantization.fp8_matmul import FP8_PATHS
+    from kvserve.model.quantization.int_matmul import INT_PATHS
+
     bad = [r for r in rows if r.get("same_output") is False or r.get("max_abs_diff_vs_current", 0) > 0.05]
+    measured: dict = {}
+    bad += (_print_quant_tables(rows, "int4", INT_PATHS, measured)
+            + _print_quant_tables(rows, "fp8", FP8_PATHS, measured))
+    if measured:  # benchmarks/gpu_compare.py --kernel-paths runs the engine with these tables
+        with open(os.path.join(args.out, "kernel_paths.json"), "w") as f:
+            json.dump({"INT_PATHS" if s == "int4" else "FP8_PATHS": entries for s, entries in measured.items()}, f)
+        print("selection tables the measurement supports:", json.dumps(measured))
     raise SystemExit(1 if bad else 0)
 
 

@@ -113,7 +113,51 @@ def run_vllm(part: str, args) -> None:
             shutil.copy(produced, os.environ["OUT"])
 
 
+def kernel_profile(llm, reqs, label: str, top: int = 12) -> dict:
+    """The GPU kernels of one generate over `reqs` (torch.profiler, CUDA activity): the `top` kernels by GPU
+    time with their share, so a missed target names the kernel where its time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_w1 import run_kvserve
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_kvserve(llm, reqs, f"profile_{label}", {})
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        gpu_us = getattr(event, "self_device_time_total", None)
+        if gpu_us is None:
+            gpu_us = getattr(event, "self_cuda_time_total", 0)
+        if gpu_us > 0:
+            kernels.append((gpu_us, event.count, event.key))
+    total = sum(us for us, _, _ in kernels) or 1.0
+    kernels.sort(reverse=True)
+    rows = [{"kernel": name[:90], "gpu_ms": round(us / 1e3, 2), "calls": count, "share": round(us / total, 3)}
+            for us, count, name in kernels[:top]]
+    print(f"profile {label}: {total / 1e3:,.1f} ms of GPU kernels")
+    for r in rows:
+        print(f"  {r['share']:6.1%} {r['gpu_ms']:9.2f} ms {r['calls']:7d}x  {r['kernel']}")
+    return {"gpu_kernel_ms": round(total / 1e3, 1), "top": rows}
+
+
 # ---- kvserve -------------------------------------------------------------------------------------
+def apply_kernel_paths(path: str, res: dict) -> None:
+    """The quantized-linear selection tables written by `benchmarks/ab_kernels.py` on this machine
+    (kernel_paths.json), in place of the ones in the code, for the whole part; kept in the results."""
+    from kvserve.model.quantization import fp8_matmul, int_matmul
+
+    with open(path) as f:
+        tables = json.load(f)
+    kinds = {"INT_PATHS": (int_matmul, int_matmul.IntPath), "FP8_PATHS": (fp8_matmul, fp8_matmul.Fp8Path)}
+    for name, entries in tables.items():
+        module, entry = kinds[name]
+        setattr(module, name, tuple(entry(rows, kernel, None if config is None else tuple(config))
+                                    for rows, kernel, config in entries))
+        print(f"kernel paths: {name} = {getattr(module, name)}", flush=True)
+    res["kernel_paths"] = tables
+
+
 def run_kvserve_part(args) -> None:
     import torch
 
@@ -145,9 +189,13 @@ def run_kvserve_part(args) -> None:
         run_kvserve(llm, [(p, 16) for p, _ in w1[:8]], "warmup", {})
         best_of(llm, [batch1_request()], "batch1", rows)
         best_of(llm, w1, "w1", rows)
+        if args.profile and name not in AB_CONFIGS:  # decode-heavy: W1's prompts with 64 output tokens each
+            rows["profile"] = kernel_profile(llm, [(p, 64) for p, _ in w1], name)
         res[name] = rows
         save(args.results, "kvserve.json", res)
 
+    if args.kernel_paths:
+        apply_kernel_paths(args.kernel_paths, res)
     awq_tensors = float_params = None
     for label in args.configs.split(","):
         name, knobs = AB_CONFIGS.get(label, (label, {}))
@@ -183,6 +231,8 @@ def run_kvserve_part(args) -> None:
                 measure_ttft(llm, LONG_PROMPT, rows)
                 best_of(llm, [(long_prompt(), 512)], "batch1_8k", rows)
                 best_of(llm, w2_requests(), "w2", rows)
+                if args.profile and label not in AB_CONFIGS:  # the prefill of the 8,192-token prompt
+                    rows["profile"] = kernel_profile(llm, [(long_prompt(), 1)], label)
                 res[label] = rows
                 save(args.results, "kvserve.json", res)
             else:
@@ -291,6 +341,10 @@ def main():
                     help="kvserve configurations to run: bf16, fp8, awq, w2 and the A/B ones (AB_CONFIGS)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the per-kernel profile kept for each configuration")
+    ap.add_argument("--kernel-paths", default=None,
+                    help="kernel_paths.json from benchmarks/ab_kernels.py: the quantized-linear selection tables to use")
     ap.add_argument("--commit", default=None, help="the kvserve commit measured (default: git, else $KVSERVE_COMMIT)")
     args = ap.parse_args()
     dirs, args.results = args.results, args.results[0]

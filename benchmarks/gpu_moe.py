@@ -24,13 +24,12 @@ import gc
 import json
 import logging
 import os
-import random
-import tempfile
 import time
 
 import torch
 
-from benchmarks.gpu_w1 import batch1_request, greedy, run_kvserve, w1_requests, write_config
+from benchmarks.gpu_w1 import (add_w1_run_args, batch1_request, greedy, hf_bf16_reference, run_kvserve, splits_against_hf, w1_requests,
+                               write_config)
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
@@ -171,23 +170,8 @@ def parity(results: dict) -> bool:
         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
         initializer_range=0.05,
     )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    path = tempfile.mkdtemp(prefix="kvserve-moe-parity-")
-    hf.save_pretrained(path)
-    rng = random.Random(2)
-    prompts = [[rng.randint(3, 31999) for _ in range(rng.randint(5, 400))] for _ in range(8)]
-    n_new = 32
-    expected, margins = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            expected.append(out.sequences[0, len(p):].tolist())
-            margins.append([(lg[0].float().topk(2).values[0] - lg[0].float().topk(2).values[1]).item()
-                            for lg in out.logits])
-    del hf
-    release()
+    path, prompts, expected, margins = hf_bf16_reference(cfg, "kvserve-moe-parity-")
+    n_new = len(expected[0])
 
     def run(**kw):
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
@@ -202,11 +186,7 @@ def parity(results: dict) -> bool:
     graphs = run()
     eager = run(enforce_eager=True)
     chunked = run(max_num_batched_tokens=256)  # chunked prefill through the mixed-step graphs
-    rows = []
-    for i, (exp, got) in enumerate(zip(expected, graphs)):
-        split = next((j for j, (a, b) in enumerate(zip(exp, got)) if a != b), None)
-        rows.append({"prompt_len": len(prompts[i]), "identical": split is None, "first_split": split,
-                     "hf_top2_logit_margin_at_split": None if split is None else round(margins[i][split], 4)})
+    rows = splits_against_hf(prompts, expected, margins, graphs)
     results["parity"] = {"vs_hf": rows, "identical_vs_hf": sum(r["identical"] for r in rows),
                          "graphs_equal_eager": graphs == eager,
                          "chunked_identical_vs_hf": sum(a == b for a, b in zip(expected, chunked))}
@@ -238,10 +218,7 @@ def engine(results: dict, num_requests: int, quantization: str | None, args) -> 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--num-requests", type=int, default=256, help="W1's first N requests (256 = all of W1)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    add_w1_run_args(ap)
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the kernel")
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.gpu_w1 import W1_CONFIG, batch1_request, greedy, run_kvserve, w1_requests, write_config
+from benchmarks.gpu_w1 import W1_CONFIG, add_w1_run_args, batch1_request, greedy, run_kvserve, w1_requests, write_config
 
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32
 AWQ_GROUP = 128
@@ -121,10 +121,7 @@ def release_device_memory():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--num-requests", type=int, default=256, help="W1's first N requests (256 = all of W1)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    add_w1_run_args(ap)
     ap.add_argument("--only", default=None, help="comma-separated config names (bf16 always runs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -142,7 +139,7 @@ def main():
         # An A/B row for the rule that picks a kernel by rows (read at call time; each engine captures its own
         # graphs): fp8 with every M through the Triton quantization + _scaled_mm (no W8A16 for decode).
         "fp8-scaled-mm-only": {"quantization": "fp8",
-                               KNOBS: {"kvserve.model.quantization.triton_fp8_gemm.MAX_ROWS": 0}},
+                               KNOBS: {"kvserve.model.quantization.fp8_matmul.FP8_PATHS": ((1 << 62, "scaled_mm", None),)}},
         # A/B of the fused activation quantization: RMSNorm and SiLU*mul write bf16 and each FP8 linear
         # quantizes its own input (one more kernel and one more read + write of every GEMM input).
         "fp8-unfused-quant": {"quantization": "fp8",

@@ -1,6 +1,9 @@
 """Speculative decoding on one GPU: correctness against runs without it, and what it buys.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_spec.py [--out DIR] [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_spec.py [--out DIR] [--quick] [--tiny]
+
+`--tiny` runs every part on a CPU in minutes (a 2-layer model of W1's vocabulary instead of the 8B shape,
+short outputs, batches 8 and 16): a check that the script and its correctness checks work, not a measurement.
 
 (a) SmolLM2-135M (the embedded default model, real weights) with `{"method": "ngram"}` on prompt-lookup
     work (rewrite a passage, edit code): batch-1 tokens/s with and without, mean acceptance length,
@@ -9,6 +12,10 @@
     next k tokens of a reference run without speculation, each replaced by a wrong token with probability
     1 - p: verify-step time at k = 1..8 against a plain decode step (p = 1, all accepted), batch-1 speed at
     p = 1, 0.8, 0.5 and 0 (so the speedup at each acceptance rate is known), identical tokens throughout.
+(b2) The same 8B shape with `{"method": "draft_model"}` and the target as its own draft (dummy weights from the
+    same seed: an oracle, every draft right): batch-1 speed with the budget pinned on (each draft costs a
+    whole 8B forward, so this measures the draft machinery, not a speedup), what the budget chooses when
+    not pinned, and identical tokens.
 (c) The same 8B shape at batch 64 and 256 (W1's first requests, outputs capped at 256 tokens) with
     `{"method": "ngram"}` on and off: on must be >= 0.97x of off (the draft budget turns speculation down).
 A table is printed last; everything goes to DIR/gpu_spec.json.
@@ -17,6 +24,7 @@ A table is printed last; everything goes to DIR/gpu_spec.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -26,6 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_w1 import W1_CONFIG, batch1_request, w1_requests, write_config  # noqa: E402
+
+import torch  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 
@@ -57,6 +67,12 @@ LOOKUP_TASKS = [
     f"Rename the variable `values` to `xs` everywhere in this code and return the full code:\n\n{CODE}",
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+TINY_CONFIG = {**W1_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "torch_dtype": "float32"}
+# --tiny: (max output tokens, batches of part c, prompt tokens kept)
+SIZES = {"full": (None, (64, 256), None), "tiny": (24, (8, 16), 48)}
+size = SIZES["full"]
+DTYPE = "bfloat16"
 
 
 def _timed_generate(llm, prompts, params):
@@ -71,7 +87,7 @@ def _tokens(outs):
 
 def part_a(quick: bool) -> dict:
     """SmolLM2 + ngram, batch 1, one prompt at a time."""
-    params = SamplingParams(max_tokens=128 if quick else 256, temperature=0)
+    params = SamplingParams(max_tokens=size[0] or (128 if quick else 256), temperature=0)
     rows = {}
     for name, spec in (("off", None), ("ngram", NGRAM)):
         llm = LLM(**({"speculative_config": spec} if spec else {}))
@@ -90,7 +106,8 @@ def part_a(quick: bool) -> dict:
         accept = drafter.totals.since(before).mean_acceptance_length if drafter else None
         rows[name] = {"tok_s": n_out / elapsed, "tokens": tokens, "acceptance_length": accept}
         llm.llm_engine.shutdown()
-        del llm
+        del llm, drafter
+        _release()
     return {"off_tok_s": rows["off"]["tok_s"], "ngram_tok_s": rows["ngram"]["tok_s"],
             "speedup": rows["ngram"]["tok_s"] / rows["off"]["tok_s"],
             "acceptance_length": rows["ngram"]["acceptance_length"],
@@ -126,11 +143,15 @@ def _steps_and_time(llm, prompts, params):
     return outs, dt, drafted, accepted
 
 
-def part_b(path: str, quick: bool) -> dict:
+def _batch1(quick: bool) -> tuple[list[int], int]:
     prompt, out_len = batch1_request()
-    out_len = 128 if quick else out_len
+    return prompt, size[0] or (128 if quick else out_len)
+
+
+def part_b(path: str, quick: bool) -> dict:
+    prompt, out_len = _batch1(quick)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=DTYPE, max_model_len=2048,
               max_num_seqs=256)
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
@@ -155,21 +176,56 @@ def part_b(path: str, quick: bool) -> dict:
                                      "tok_s": out_len / dt, "speedup": plain_dt / dt,
                                      "identical": _tokens(outs)[0] == reference[tuple(prompt)]})
     engine.set_proposer(None)
+    result["reference"] = reference[tuple(prompt)]
     engine.shutdown()
+    del llm, engine
+    _release()
     return result
+
+
+def _release() -> None:
+    """After the caller shut its engine down and dropped its references: the GPU memory goes back before
+    the next engine sizes its KV cache."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def part_b2(path: str, quick: bool, reference: list[int], plain_tok_s: float) -> dict:
+    """The target as its own draft model: every draft is accepted."""
+    prompt, out_len = _batch1(quick)
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=DTYPE, max_model_len=2048,
+              max_num_seqs=256, speculative_config=spec)
+    engine = llm.llm_engine
+    inputs = [{"prompt_token_ids": prompt}]
+    _timed_generate(llm, inputs, params)  # the budget's own choice (and warm-up)
+    chosen = engine.drafter.last_choice
+    engine.drafter.budget.draft_step_cost = 0.0  # pinned on: measure the draft path itself
+    before = engine.drafter.totals.copy()
+    _timed_generate(llm, inputs, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
+    outs, dt = _timed_generate(llm, inputs, params)
+    got = engine.drafter.totals.since(before)
+    engine.shutdown()
+    del llm, engine
+    _release()
+    return {"tok_s": out_len / dt, "vs_plain": out_len / dt / plain_tok_s,
+            "accept_rate": got.num_accepted_tokens / max(got.num_draft_tokens, 1),
+            "acceptance_length": got.mean_acceptance_length, "unpinned_choice": [chosen.num_draft_tokens, chosen.reason],
+            "identical": _tokens(outs)[0] == reference}
 
 
 def part_c(path: str, quick: bool) -> dict:
     reqs = w1_requests()
     result = {}
-    for batch in (64, 256):
+    for batch in size[1]:
         chosen = reqs[:batch]
-        prompts = [{"prompt_token_ids": p} for p, _ in chosen]
-        params = [SamplingParams(max_tokens=min(o, 128 if quick else 256), temperature=0, ignore_eos=True)
-                  for _, o in chosen]
+        prompts = [{"prompt_token_ids": p[:size[2]]} for p, _ in chosen]
+        params = [SamplingParams(max_tokens=min(o, size[0] or (128 if quick else 256)), temperature=0,
+                                 ignore_eos=True) for _, o in chosen]
         row = {}
         for name, spec in (("off", None), ("ngram", NGRAM)):
-            llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+            llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=DTYPE, max_model_len=2048,
                       max_num_seqs=256,
                       **({"speculative_config": spec} if spec else {}))
             _timed_generate(llm, prompts[:4], [SamplingParams(max_tokens=8, temperature=0)] * 4)  # warm-up
@@ -179,7 +235,8 @@ def part_c(path: str, quick: bool) -> dict:
             row[name] = {"tok_s": n_out / dt, "tokens": _tokens(outs),
                          "drafts": drafter.totals.num_draft_tokens if drafter else 0}
             llm.llm_engine.shutdown()
-            del llm
+            del llm, drafter
+            _release()
         result[batch] = {"off_tok_s": row["off"]["tok_s"], "ngram_tok_s": row["ngram"]["tok_s"],
                          "ratio": row["ngram"]["tok_s"] / row["off"]["tok_s"], "draft_tokens": row["ngram"]["drafts"],
                          "identical": row["ngram"]["tokens"] == row["off"]["tokens"]}
@@ -190,29 +247,47 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a CPU check of the script, not a measurement")
+    ap.add_argument("--parts", default="a,b,c", help="which parts to run (b includes b2), e.g. b,c")
     args = ap.parse_args()
+    global size, DTYPE
+    if args.tiny:
+        size, DTYPE = SIZES["tiny"], "float32"
     os.makedirs(args.out, exist_ok=True)
-    path = write_config(W1_CONFIG)
-    results = {"a_smollm2_ngram": part_a(args.quick), "b_8b_verify": part_b(path, args.quick),
-               "c_8b_batch": part_c(path, args.quick)}
-    with open(os.path.join(args.out, "gpu_spec.json"), "w") as f:
+    path = write_config(TINY_CONFIG if args.tiny else W1_CONFIG)
+    parts = set(args.parts.split(","))
+    results = {}
+    if "a" in parts:
+        results["a_smollm2_ngram"] = part_a(args.quick)
+    if "b" in parts:
+        b = results["b_8b_verify"] = part_b(path, args.quick)
+        results["b2_8b_oracle_draft"] = part_b2(path, args.quick, b.pop("reference"), b["plain_tok_s"])
+    if "c" in parts:
+        results["c_8b_batch"] = part_c(path, args.quick)
+    with open(os.path.join(args.out, "gpu_spec_tiny.json" if args.tiny else "gpu_spec.json"), "w") as f:
         json.dump(results, f, indent=1)
-    a, b, c = results["a_smollm2_ngram"], results["b_8b_verify"], results["c_8b_batch"]
     print("\n| measure | value | identical tokens |")
     print("|---|---|---|")
-    print(f"| (a) SmolLM2 batch-1, off / ngram tok/s | {a['off_tok_s']:.1f} / {a['ngram_tok_s']:.1f} "
-          f"({a['speedup']:.2f}x), acceptance length {a['acceptance_length'] or 0:.2f} | {a['identical']} |")
-    print(f"| (b) 8B plain decode step | {b['plain_step_ms']:.2f} ms ({b['plain_tok_s']:.1f} tok/s) | |")
-    for v in b["verify"]:
-        print(f"| (b) 8B verify step k={v['k']} (all accepted) | {v['step_ms']:.2f} ms = {v['vs_decode']:.2f}x "
-              f"decode; {v['tok_s']:.1f} tok/s | {v['identical']} |")
-    for r in b["acceptance"]:
-        print(f"| (b) 8B batch-1 k={r['k']}, drafts right p={r['p_right']} (accepted {r['accept_rate']:.0%}) | "
-              f"{r['tok_s']:.1f} tok/s = {r['speedup']:.2f}x | {r['identical']} |")
-    for batch, r in c.items():
+    a = results.get("a_smollm2_ngram")
+    if a:
+        print(f"| (a) SmolLM2 batch-1, off / ngram tok/s | {a['off_tok_s']:.1f} / {a['ngram_tok_s']:.1f} "
+              f"({a['speedup']:.2f}x), acceptance length {a['acceptance_length'] or 0:.2f} | {a['identical']} |")
+    b, b2 = results.get("b_8b_verify"), results.get("b2_8b_oracle_draft")
+    if b:
+        print(f"| (b) 8B plain decode step | {b['plain_step_ms']:.2f} ms ({b['plain_tok_s']:.1f} tok/s) | |")
+        for v in b["verify"]:
+            print(f"| (b) 8B verify step k={v['k']} (all accepted) | {v['step_ms']:.2f} ms = {v['vs_decode']:.2f}x "
+                  f"decode; {v['tok_s']:.1f} tok/s | {v['identical']} |")
+        for r in b["acceptance"]:
+            print(f"| (b) 8B batch-1 k={r['k']}, drafts right p={r['p_right']} (accepted {r['accept_rate']:.0%}) | "
+                  f"{r['tok_s']:.1f} tok/s = {r['speedup']:.2f}x | {r['identical']} |")
+        print(f"| (b2) 8B batch-1, draft_model = the target (oracle), k=4 pinned on | {b2['tok_s']:.1f} tok/s = "
+              f"{b2['vs_plain']:.2f}x plain, accepted {b2['accept_rate']:.0%}, acceptance length "
+              f"{b2['acceptance_length'] or 0:.2f}; unpinned the budget chose {b2['unpinned_choice'][0]} "
+              f"({b2['unpinned_choice'][1]}) | {b2['identical']} |")
+    for batch, r in results.get("c_8b_batch", {}).items():
         print(f"| (c) 8B batch {batch}, off / ngram tok/s | {r['off_tok_s']:.0f} / {r['ngram_tok_s']:.0f} = "
               f"{r['ratio']:.3f}x (>= 0.97 required; {r['draft_tokens']} draft tokens) | {r['identical']} |")
-
 
 if __name__ == "__main__":
     main()

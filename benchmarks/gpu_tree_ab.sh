@@ -5,11 +5,12 @@
 #
 #   git archive COMMIT | tar -x -C .old      # here: the older tree, in a folder git ignores (carry it)
 #   bash benchmarks/gpu_tree_ab.sh .old      # there; results in $OUT/{old,new}{1,2}/gpu_w1.json
+#   RUNS="old1 new1" bash benchmarks/gpu_tree_ab.sh .old   # fewer runs (each is one engine start and W1 twice)
 set -uo pipefail
 old=${1:?usage: $0 OLD_TREE_DIR}
 out=${OUT:-/tmp/tree_ab}
 here=$PWD
-for run in old1 new1 new2 old2; do
+for run in ${RUNS:-old1 new1 new2 old2}; do
   case $run in old*) tree=$old ;; *) tree=$here ;; esac
   mkdir -p "$out/$run"
   echo "=== $run ($tree)"
@@ -19,7 +20,7 @@ done
 python3 - "$out" <<'PY'
 import json, sys, os
 rows = []
-for run in ("old1", "new1", "new2", "old2"):
+for run in os.environ.get("RUNS", "old1 new1 new2 old2").split():
     f = os.path.join(sys.argv[1], run, "gpu_w1.json")
     if not os.path.exists(f):
         print(run, "no results"); continue

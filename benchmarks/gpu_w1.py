@@ -58,6 +58,14 @@ def write_config(cfg: dict) -> str:
     return path
 
 
+def add_w1_run_args(ap) -> None:
+    """The options every W1 engine run shares: where results go, how much of W1, the engine's batch limits."""
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--num-requests", type=int, default=256, help="W1's first N requests (256 = all of W1)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+
+
 def greedy(max_tokens):
     from kvserve import SamplingParams
 
@@ -65,6 +73,41 @@ def greedy(max_tokens):
 
 
 # ---- 1. parity ------------------------------------------------------------------------------------
+def hf_bf16_reference(cfg, prefix: str, num_prompts: int = 8, n_new: int = 32):
+    """A random bf16 HF model from `cfg` saved to a temporary folder, with its greedy tokens for random prompts
+    and the top-2 logit margin at every step (a split at a small margin is a bf16 near-tie, not a bug)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    path = tempfile.mkdtemp(prefix=prefix)
+    hf.save_pretrained(path)
+    rng = random.Random(2)
+    prompts = [[rng.randint(3, 31999) for _ in range(rng.randint(5, 400))] for _ in range(num_prompts)]
+    expected, margins = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            expected.append(out.sequences[0, len(p):].tolist())
+            margins.append([(lg[0].float().topk(2).values[0] - lg[0].float().topk(2).values[1]).item()
+                            for lg in out.logits])
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return path, prompts, expected, margins
+
+
+def splits_against_hf(prompts, expected, margins, got) -> list[dict]:
+    """Per prompt: identical to HF, or where it first splits and HF's top-2 margin there."""
+    rows = []
+    for i, (exp, tokens) in enumerate(zip(expected, got)):
+        split = next((j for j, (a, b) in enumerate(zip(exp, tokens)) if a != b), None)
+        rows.append({"prompt_len": len(prompts[i]), "identical": split is None, "first_split": split,
+                     "hf_top2_logit_margin_at_split": None if split is None else round(margins[i][split], 4)})
+    return rows
+
+
 def parity(results: dict) -> bool:
     import transformers
 
@@ -75,22 +118,8 @@ def parity(results: dict) -> bool:
         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
         rope_theta=500000.0,
     )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    path = tempfile.mkdtemp(prefix="kvserve-parity-")
-    hf.save_pretrained(path)
-    rng = random.Random(2)
-    prompts = [[rng.randint(3, 31999) for _ in range(rng.randint(5, 400))] for _ in range(8)]
-    n_new = 32
-    expected, margins = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            expected.append(out.sequences[0, len(p):].tolist())
-            margins.append([(lg[0].float().topk(2).values[0] - lg[0].float().topk(2).values[1]).item() for lg in out.logits])
-    del hf
-    torch.cuda.empty_cache()
+    path, prompts, expected, margins = hf_bf16_reference(cfg, "kvserve-parity-")
+    n_new = len(expected[0])
 
     def run(**kw):
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, **kw)
@@ -108,11 +137,7 @@ def parity(results: dict) -> bool:
     # A 256-token budget chunks every prompt: steps of <= 512 tokens run in the mixed-step graphs.
     chunked_graphs = run(attention_backend="triton", max_num_batched_tokens=256)
     chunked_eager = run(attention_backend="triton", enforce_eager=True, max_num_batched_tokens=256)
-    rows = []
-    for i, (exp, got) in enumerate(zip(expected, triton_graphs)):
-        split = next((j for j, (a, b) in enumerate(zip(exp, got)) if a != b), None)
-        rows.append({"prompt_len": len(prompts[i]), "identical": split is None, "first_split": split,
-                     "hf_top2_logit_margin_at_split": None if split is None else round(margins[i][split], 4)})
+    rows = splits_against_hf(prompts, expected, margins, triton_graphs)
     results["parity"] = {
         "vs_hf": rows,
         "identical_vs_hf": sum(r["identical"] for r in rows),

@@ -4,9 +4,9 @@
 
 Linear part: W1's (Llama-3.1-8B) linear shapes at M = 1, 8, 64, 256, 2048 rows, weights quantized per
 channel. Paths: bf16 F.linear; old fp8 (eager torch quantize_per_token + torch._scaled_mm row-wise); new
-fp8 (Fp8LinearMethod.apply: the W8A16 Triton kernel up to triton_fp8_gemm.MAX_ROWS rows, else the Triton
+fp8 (Fp8LinearMethod.apply: a W8A16 Triton kernel where fp8_matmul.FP8_PATHS says, else the Triton
 per-token quantization + _scaled_mm); and the W8A16 kernel itself at every M <= 256 (where it stops
-paying: the MAX_ROWS crossover). Errors are relative to the dequantized reference x @ (w_e4m3 * s)^T in
+paying: the W8A16 crossover). Errors are relative to the dequantized reference x @ (w_e4m3 * s)^T in
 fp32 (max |err| / max |ref|); quant_bitexact says whether the Triton quantization gives the torch
 reference's bytes and scales. Times are GPU times of CUDA-graph replays (triton do_bench_cudagraph; a
 failed capture is reported). Then W8A16 launch configurations at M = 1 and 16 (the best goes into
@@ -37,8 +37,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvserve.model.quantization import fp8, triton_fp8_gemm
-from kvserve.ops import fp8_quant
+from kvserve.model.quantization import fp8
+from kvserve.ops import fp8_quant, triton_fp8_gemm
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 MS = [1, 8, 64, 256, 2048]

@@ -27,7 +27,7 @@ import triton
 
 from kvserve.model.quantization import int_matmul as rule
 from kvserve.model.quantization.int_weights import unpack_rows
-from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
+from kvserve.ops.triton_int_gemv import skinny_int_gemm
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 MS = [1, 4, 16, 64, 256, 2048, 8192]

@@ -179,6 +179,10 @@ class EngineConfig:
     # Sampling defaults from the model's generation_config.json (vLLM's --generation-config auto): applied to
     # requests that leave these fields unset. Keys are SamplingParams names; max_tokens caps unset max_tokens.
     default_sampling: dict = field(default_factory=dict)
+    # --speculative-config with a draft model or an EAGLE-3 head: its files and shapes (None otherwise; for a
+    # head, its decoder layer's).
+    draft_model_path: Path | None = None
+    draft_model_config: ModelConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, count_devices: bool = True) -> "EngineConfig":
@@ -227,14 +231,22 @@ class EngineConfig:
                 f"each running request needs at least one token per step."
             )
         backend = args.attention_backend
-        if backend == "auto":
+        if model_config.uses_mla:  # latent attention is computed in torch only (kvserve/ops/mla_attention.py)
+            if backend == "triton":
+                raise ValueError(f"--attention-backend triton: {model_config.architecture}'s multi-head latent "
+                                 f"attention runs on the torch backend only; use --attention-backend auto or torch.")
+            backend = "torch"
+        elif backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         tokenizer_path = model_path
         if args.tokenizer:
             tokenizer_path = resolve_model_files(args.tokenizer, revision=args.tokenizer_revision,
                                                  download_dir=args.download_dir, token=args.hf_token, what="Tokenizer")
         layer_ranges = _check_parallel_layout(args, model_config, device, count_devices)
+        draft_model_path, draft_model_config = _resolve_draft_model(args, model_config, max_model_len)
         return cls(
+            draft_model_path=draft_model_path,
+            draft_model_config=draft_model_config,
             layer_ranges=layer_ranges,
             args=args,
             model_path=model_path,
@@ -254,6 +266,49 @@ class EngineConfig:
             default_sampling=default_sampling_fields(model_path, args.generation_config,
                                                      args.override_generation_config),
         )
+
+
+def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: int
+                         ) -> tuple[Path | None, ModelConfig | None]:
+    """A draft model's (or EAGLE-3 head's) files and config, checked against the target: the same
+    vocabulary (drafts are the target's token ids), the target's tensor-parallel split, one pipeline
+    stage. For a head the config is its decoder layer's (what the memory plan sizes)."""
+    spec = args.speculative_config
+    if spec is None or spec.method not in ("draft_model", "eagle3"):
+        return None, None
+    from kvserve.model.hub import resolve_model_files
+    from kvserve.model.model_config import load_hf_config_dict
+
+    what = "EAGLE-3 head" if spec.method == "eagle3" else "Draft model"
+    path = resolve_model_files(spec.model, download_dir=args.download_dir, token=args.hf_token, what=what)
+    if spec.method == "eagle3":
+        from kvserve.model.eagle3 import Eagle3Config
+
+        try:
+            cfg = Eagle3Config.from_hf_dict(load_hf_config_dict(path), target).layer
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {spec.model}: {e}.") from None
+    else:
+        cfg = ModelConfig.from_path(path, trust_remote_code=args.trust_remote_code)
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-config: the draft model {spec.model} has a vocabulary of "
+                             f"{cfg.vocab_size} tokens and the target {target.vocab_size}; a draft model must share "
+                             f"the target's tokenizer (its drafts are the target's token ids). Use a draft of the "
+                             f"same family, or \"method\": \"ngram\".")
+        if cfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"--speculative-config: the draft model {spec.model} handles "
+                             f"{cfg.max_position_embeddings} positions, fewer than --max-model-len {max_model_len}; "
+                             f"lower --max-model-len to {cfg.max_position_embeddings} or use a draft with a longer "
+                             f"context.")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(f"--speculative-config: a {what.lower()} runs with --pipeline-parallel-size 1 only; use "
+                         f"tensor parallelism, or \"method\": \"ngram\".")
+    misfit = _tensor_parallel_misfit(cfg, args.tensor_parallel_size)
+    if misfit:
+        raise ValueError(f"--speculative-config: the {what.lower()} is split like the target, and cannot be: "
+                         f"{misfit} (its config; --tensor-parallel-size {args.tensor_parallel_size}). Choose one "
+                         f"whose heads split {args.tensor_parallel_size} ways.")
+    return path, cfg
 
 
 def _check_parallel_layout(args: EngineArgs, cfg: ModelConfig, device: str,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle3")
 # The methods the engine runs today; the others parse and are refused in one place (`check_runnable`).
-RUNNABLE_METHODS: tuple[str, ...] = ("ngram",)
+RUNNABLE_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle3")
 
 _KNOWN_ELSEWHERE = {  # vLLM methods kvserve does not have, with what to use instead
     "eagle": "EAGLE-1 heads are not supported; use an EAGLE-3 head with \"method\": \"eagle3\"",

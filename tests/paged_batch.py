@@ -76,9 +76,10 @@ def poison_outside_window(kv_cache, meta, ctx_lens, window: int) -> None:
             kv_cache[:, int(tables[i, b])] = float("nan")
 
 
-def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_cap=None):
+def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_cap=None, sinks=None):
     """The definition written from positions, independent of the backends' code: each request's context
-    keys from the cache, then this step's K/V; key j visible from query i iff i - window < j <= i."""
+    keys from the cache, then this step's K/V; key j visible from query i iff i - window < j <= i; with
+    sinks [H], head h's softmax denominator also holds exp(sinks[h])."""
     import torch
 
     bs = meta.block_size
@@ -99,6 +100,12 @@ def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_
         scores = torch.einsum("qhd,khd->hqk", q[a:b].cpu().float(), keys.nan_to_num(0.0)) * scale
         if soft_cap is not None:
             scores = torch.tanh(scores / soft_cap) * soft_cap
-        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            sink = torch.exp(sinks.cpu().float()[:, None, None] - scores.amax(dim=-1, keepdim=True))
+            probs = weights / (weights.sum(dim=-1, keepdim=True) + sink)
         out[a:b] = torch.einsum("hqk,khd->qhd", probs, values.nan_to_num(0.0))
     return out

@@ -123,7 +123,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -15,10 +15,14 @@ block ids, where its chunk starts and the output ids sampled since the workers l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by the step in flight: its id is still on the device
+# The tokens of a decode scheduled behind the step in flight (most steps under async scheduling, once per
+# request): one shared list, read and never changed, so such a step allocates none.
+ONE_PLACEHOLDER: list[int] = [PLACEHOLDER_TOKEN_ID]
 
 
 @dataclass
@@ -49,7 +53,7 @@ class ScheduledRequest:
     output_len: int  # output tokens so far, counting those in flight
     # The scheduler's own object: its result is dropped if the request ended (or its id was reused) meanwhile.
     request: Any = field(default=None, repr=False)
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens at the end of token_ids
+    spec_token_ids: Sequence[int] = ()  # draft tokens at the end of token_ids
 
 
 @dataclass
@@ -134,6 +138,9 @@ def build_step_message(out: SchedulerOutput) -> StepMessage:
     )
     cached = msg.scheduled_cached_reqs
     num_scheduled = msg.num_scheduled_tokens
+    # Once per scheduled request per step: the lists' append methods are looked up once.
+    add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
+    add_blocks, add_start = cached.new_block_ids.append, cached.num_computed_tokens.append
     for s in out.scheduled:
         req = s.request
         rid = s.request_id
@@ -144,10 +151,10 @@ def build_step_message(out: SchedulerOutput) -> StepMessage:
                 rid, req.prompt_token_ids, req.sampling_params, outputs[:], s.new_block_ids, s.start_pos))
         else:
             sent = req.num_output_tokens_sent
-            cached.req_ids.append(rid)
-            cached.new_token_ids.append(outputs[sent:] if n > sent else [])
-            cached.new_block_ids.append(s.new_block_ids)
-            cached.num_computed_tokens.append(s.start_pos)
+            add_id(rid)
+            add_tokens(outputs[sent:] if n > sent else [])
+            add_blocks(s.new_block_ids)
+            add_start(s.start_pos)
         req.num_output_tokens_sent = n
         num_scheduled[rid] = len(s.token_ids)
         if s.spec_token_ids:

@@ -25,6 +25,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import RequestQueue
 from kvserve.core.sched_output import (  # the step's types, also imported from here by the scheduler's users
+    ONE_PLACEHOLDER,
     PLACEHOLDER_TOKEN_ID,
     PreemptionEvent,
     ScheduledRequest,
@@ -32,7 +33,8 @@ from kvserve.core.sched_output import (  # the step's types, also imported from 
     build_step_message,
 )
 
-_WAIT = object()  # admission of this request must wait for another one to progress
+_WAIT = object()
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished  # admission of this request must wait for another one to progress
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -129,39 +131,45 @@ class Scheduler:
             self._trimmed_since_last_step = {}
         budget = self.config.max_num_batched_tokens
 
-        # Running requests first (decodes and unfinished prefill chunks), in admission order.
+        # Running requests first (decodes and unfinished prefill chunks), in admission order. This loop
+        # runs once per running request per step: what it reads often is held in locals.
+        running, scheduled = self.running, out.scheduled
+        so = self.structured_output
+        mask_waits_for_update = so is not None and not self.config.grammar_bitmask_after_update
+        in_flight = self.in_flight if self.config.exclusive_batches else None
+        allocate_slots = self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.certain_to_finish():  # its length cap is reached by tokens in flight: nothing to compute
-                i += 1
+        while i < len(running) and budget > 0:
+            req = running[i]
+            i += 1
+            pending = req.num_pending_outputs
+            if pending and req.certain_to_finish():  # the cap is reached by tokens in flight: nothing to compute
                 continue
-            if req.num_spec_in_flight or (self.config.exclusive_batches and req.request_id in self.in_flight):
-                i += 1
+            if req.num_spec_in_flight or (in_flight is not None and req.request_id in in_flight):
                 continue
-            if req.num_pending_outputs and self._constrained(req) and not self.config.grammar_bitmask_after_update:
-                i += 1  # its next mask needs the token still in flight
-                continue
-            num_new = min(req.num_tokens + req.num_pending_outputs - req.num_computed_tokens, budget)
+            if pending and mask_waits_for_update and req.request_id in so:
+                continue  # its next mask needs the token still in flight
+            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             num_drafts = 0
-            if req.spec_token_ids and not req.num_pending_outputs and num_new == req.num_tokens - req.num_computed_tokens:
+            if req.spec_token_ids and not pending and num_new == req.num_tokens - req.num_computed_tokens:
                 num_drafts = min(len(req.spec_token_ids), budget - num_new, req.max_num_drafts())
-            new_block_ids = None
             while True:
-                new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=num_drafts)
+                new_block_ids = allocate_slots(req, num_new, None, num_drafts)
                 if new_block_ids is not None:
                     break
-                victim = self.running.pop()  # the most recently admitted
+                victim = running.pop()  # the most recently admitted
                 self._preempt(victim, out)
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     break
             if new_block_ids is None:
                 break
-            out.scheduled.append(self._scheduled(req, num_new, new_block_ids, False, req.spec_token_ids[:num_drafts]))
-            req.spec_token_ids = []  # offered once: the proposer offers fresh ones after the update
+            if req.spec_token_ids:
+                scheduled.append(self._scheduled(req, num_new, new_block_ids, False, req.spec_token_ids[:num_drafts]))
+                req.spec_token_ids = []  # offered once: the proposer offers fresh ones after the update
+            else:
+                scheduled.append(self._scheduled(req, num_new, new_block_ids, False))
             budget -= num_new + num_drafts
-            i += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short: let it drain).
         grammar_pending: list[Request] = []  # waiting for their grammar: skipped, not holding up the rest
@@ -253,19 +261,25 @@ class Scheduler:
         `drafts` are computed after the known tokens (only a chunk that reaches them has any)."""
         start = req.num_computed_tokens
         end = start + num_new
-        token_ids = req.token_ids_slice(start, min(end, req.num_tokens))
-        if end > req.num_tokens:
-            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - req.num_tokens)
-        needs_sample = end == req.num_tokens + req.num_pending_outputs
+        num_tokens = req.num_tokens
+        if start >= num_tokens and not drafts:  # a decode behind a step in flight: only placeholders
+            token_ids = ONE_PLACEHOLDER if end - num_tokens == 1 else [PLACEHOLDER_TOKEN_ID] * (end - num_tokens)
+        else:
+            token_ids = req.token_ids_slice(start, min(end, num_tokens))
+            if end > num_tokens:
+                token_ids += [PLACEHOLDER_TOKEN_ID] * (end - num_tokens)
+        pending = req.num_pending_outputs
+        needs_sample = end == num_tokens + pending
         sched = ScheduledRequest(req.request_id, token_ids, start, new_block_ids, is_new, needs_sample,
-                                 req.num_output_tokens + req.num_pending_outputs, req)
+                                 len(req.output_token_ids) + pending, req)
         if drafts:
             token_ids.extend(drafts)
             sched.spec_token_ids = drafts
             req.num_spec_in_flight = len(drafts)
-        req.num_computed_tokens = end + len(drafts)
+            end += len(drafts)
+        req.num_computed_tokens = end
         if needs_sample:
-            req.num_pending_outputs += 1
+            req.num_pending_outputs = pending + 1
         return sched
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
@@ -346,26 +360,28 @@ class Scheduler:
         in_flight = self.in_flight
         so = self.structured_output
         for sched in out.scheduled:
-            left = in_flight.pop(sched.request_id, 1) - 1
+            rid = sched.request_id
+            left = in_flight.pop(rid, 1) - 1
             if left:
-                in_flight[sched.request_id] = left
+                in_flight[rid] = left
             req = sched.request
             num_drafts = len(sched.spec_token_ids)
             if num_drafts:
                 req.num_spec_in_flight = 0
-            if req.is_finished or not sched.needs_sample:  # finished or aborted after scheduling
+            if req.status >= _FIRST_FINISHED or not sched.needs_sample:  # finished or aborted after scheduling
                 continue
             req.num_pending_outputs -= 1
-            tokens = sampled_token_ids.get(sched.request_id)
+            tokens = sampled_token_ids.get(rid)
             if not tokens or len(tokens) > num_drafts + 1:  # it could never be scheduled again: fail loudly
-                raise KeyError(f"the step sampled {tokens!r} for {sched.request_id!r}, which needed 1 to "
+                raise KeyError(f"the step sampled {tokens!r} for {rid!r}, which needed 1 to "
                                f"{num_drafts + 1} tokens")
+            constrained = so is not None and rid in so
             stop = None
             num_appended = 0
             for token in tokens:
                 req.append_output_token(token)
                 num_appended += 1
-                grammar_ended = so is not None and req.request_id in so and so.accept_token(req.request_id, token)
+                grammar_ended = constrained and so.accept_token(rid, token)
                 stop = req.stop_status()
                 if stop is None and grammar_ended:  # the grammar's own end (e.g. its stop token under ignore_eos)
                     stop = (RequestStatus.FINISHED_STOPPED, None)

@@ -54,9 +54,11 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_preemptions_by_mode: dict = field(default_factory=dict)  # "recompute" | "swap" -> count
-    # Speculative decoding (None when off): acceptance totals since start, and drafts per request now.
+    # Speculative decoding (None when off): acceptance totals since start, drafts per request now, and why
+    # (the draft budget's reason: "on", "probe", or what turned it down: "batch size", "acceptance").
     spec_decode: SpecDecodeStats | None = None
     num_speculative_tokens: int | None = None
+    speculation_reason: str | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -115,7 +117,7 @@ class LLMEngine:
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
         self._drafting_now = False  # this step's decision (LLMEngine._drafting)
         if config.args.speculative_config is not None:
-            self.drafter = Drafter(config.args.speculative_config, config.device)
+            self.drafter = Drafter.from_config(config)
             self.proposer = self.drafter
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
@@ -436,5 +438,6 @@ class LLMEngine:
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
             spec_decode=self.drafter.totals.copy() if self.drafter is not None else None,
             num_speculative_tokens=self.drafter.last_choice.num_draft_tokens if self.drafter is not None else None,
+            speculation_reason=self.drafter.last_choice.reason if self.drafter is not None else None,
         )
 

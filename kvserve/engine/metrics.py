@@ -26,6 +26,8 @@ _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  40.0, 80.0]
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+# The draft budget's reasons (spec_decode/draft_budget.py BudgetChoice.reason).
+SPEC_DECODE_REASONS = ("on", "probe", "batch size", "draft cost", "acceptance")
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -91,6 +93,10 @@ class EngineMetrics:
         self.spec_decode_num_speculative_tokens = gauge(
             "spec_decode_num_speculative_tokens",
             "Draft tokens per request in the latest step: the budget's choice from batch size and acceptance.")
+        # Why drafts are on or off now: 1 on the draft budget's current reason, 0 on the others.
+        self._spec_decode_state = Gauge(
+            PREFIX + "spec_decode_state", "Speculative decoding now: 1 on the draft budget's reason (on, probe, or "
+            "turned down by batch size, draft cost or acceptance).", labels + ["reason"], registry=self.registry)
         self._spec_decode_totals = None  # the last SpecDecodeStats seen
 
         # The engine reports cumulative totals; counters advance by the difference.
@@ -114,10 +120,10 @@ class EngineMetrics:
             self._last_totals[key] = value
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
-            self._observe_spec_decode(spec, stats.num_speculative_tokens)
+            self._observe_spec_decode(spec, stats.num_speculative_tokens, getattr(stats, "speculation_reason", None))
         self.log.latest = stats
 
-    def _observe_spec_decode(self, totals, num_speculative_tokens: int | None) -> None:
+    def _observe_spec_decode(self, totals, num_speculative_tokens: int | None, reason: str | None = None) -> None:
         new = totals.since(self._spec_decode_totals or SpecDecodeStats())
         self._spec_decode_totals = totals
         if new.num_drafts > 0:
@@ -129,6 +135,9 @@ class EngineMetrics:
                     self._spec_decode_per_pos.labels(model_name=self._model_name, position=str(pos)).inc(n)
         if num_speculative_tokens is not None:
             self.spec_decode_num_speculative_tokens.set(num_speculative_tokens)
+        if reason is not None:
+            for r in SPEC_DECODE_REASONS:
+                self._spec_decode_state.labels(model_name=self._model_name, reason=r).set(1 if r == reason else 0)
 
     def observe_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """As vLLM v1: a request's prompt tokens count in the step that produced its first token."""
@@ -186,9 +195,11 @@ class ThroughputLog:
             )
             spec = getattr(stats, "spec_decode", None)
             if spec is not None:
-                        logger.info("SpecDecoding metrics: %s; draft tokens per request now: %s",
+                reason = getattr(stats, "speculation_reason", None)
+                turned = f" (turned down: {reason})" if reason not in (None, "on", "probe") else ""
+                logger.info("SpecDecoding metrics: %s; draft tokens per request now: %s%s",
                             spec.since(self._last_spec_decode or SpecDecodeStats()).log_text(),
-                            stats.num_speculative_tokens)
+                            stats.num_speculative_tokens, turned)
         if stats is not None:
             self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             self._last_spec_decode = getattr(stats, "spec_decode", None)

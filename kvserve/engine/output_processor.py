@@ -63,7 +63,10 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
+        for s in self.samples:  # a plain loop: read for every advanced request in every step
+            if s.request.status < RequestStatus.FINISHED_STOPPED:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -129,9 +132,10 @@ class OutputProcessor:
                         lists.token_ids[j], lists.logprobs[j], rank, num, params.detokenize)
 
         stops = []
-        self._advanced = {}  # parent id -> samples with new tokens, in order
+        advanced = self._advanced = {}  # parent id -> samples with new tokens, in order
+        samples = self.samples
         for req in touched:
-            state = self.samples.get(req.request_id)
+            state = samples.get(req.request_id)
             if state is None:
                 continue
             first = state.num_processed
@@ -153,7 +157,11 @@ class OutputProcessor:
                     state.num_processed = first + num_kept
                     if state.logprobs is not None:
                         del state.logprobs[first + num_kept:]
-            self._advanced.setdefault(state.parent.request_id, []).append(state)
+            parent_id = state.parent.request_id
+            if parent_id in advanced:
+                advanced[parent_id].append(state)
+            else:
+                advanced[parent_id] = [state]
         return stops
 
     @staticmethod
@@ -181,8 +189,6 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
-            parent.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
-            parent.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now
@@ -197,6 +203,9 @@ class OutputProcessor:
         kind = parent.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        metrics = parent.metrics
+        metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
+        metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
         delta = kind == RequestOutputKind.DELTA
         samples = sorted(advanced, key=lambda s: s.index) if delta else parent.samples
         prompt_logprobs = parent.prompt_logprobs

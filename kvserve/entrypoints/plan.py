@@ -93,6 +93,7 @@ def plan_inputs_from_namespace(ns: argparse.Namespace) -> memory_plan.PlanInputs
         kv_cache_memory_bytes=config.args.kv_cache_memory_bytes,
         num_gpu_blocks_override=config.args.num_gpu_blocks_override, total_gpu_bytes=total,
         others_bytes=int(ns.others_gib * GiB), checkpoint_weights=checkpoint,
+        draft_model_config=config.draft_model_config,
     )
 
 
@@ -117,6 +118,12 @@ def format_plan(plan: memory_plan.MemoryPlan, verdict: memory_plan.Verdict, mode
                      + (", whole experts per GPU (expert parallel)" if p.enable_expert_parallel else "")
                      + f"; {cfg.num_params() / 1e9:.2f} B parameters, {cfg.num_active_params() / 1e9:.2f} B "
                        f"active per token")
+    draft = p.draft_model_config
+    if draft is not None:
+        first = plan.ranks[0]
+        lines.append(f"Draft model (speculative decoding): {draft.num_hidden_layers} layers, {draft.num_key_value_heads} "
+                     f"KV heads; {gib(first.draft_weights)} of weights and {first.draft_kv_bytes_per_token:,} B of KV "
+                     f"per token on each GPU, counted below")
     lines.append("")
     stages = plan.ranks
     header = ["per GPU"] + [f"stage {r.stage} ({r.layers} layers)" if len(stages) > 1 else "each GPU" for r in stages]

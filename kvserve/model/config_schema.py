@@ -92,6 +92,22 @@ FIELDS: dict[str, tuple[Rule, bool]] = {
     "decoder_sparse_step": (NON_NEGATIVE_INT, OPTIONAL),
     "mlp_only_layers": (INDICES, OPTIONAL),
     "norm_topk_prob": (BOOL, OPTIONAL),
+    # DeepSeek-V3: multi-head latent attention and its routing
+    "kv_lora_rank": (POSITIVE_INT, OPTIONAL),
+    "q_lora_rank": (POSITIVE_INT, OPTIONAL),  # null: a direct q_proj
+    "qk_nope_head_dim": (POSITIVE_INT, OPTIONAL),
+    "qk_rope_head_dim": (POSITIVE_INT, OPTIONAL),
+    "v_head_dim": (POSITIVE_INT, OPTIONAL),
+    "rope_interleave": (BOOL, OPTIONAL),
+    "n_routed_experts": (NON_NEGATIVE_INT, OPTIONAL),
+    "n_shared_experts": (NON_NEGATIVE_INT, OPTIONAL),
+    "n_group": (POSITIVE_INT, OPTIONAL),
+    "topk_group": (POSITIVE_INT, OPTIONAL),
+    "routed_scaling_factor": (POSITIVE_NUMBER, OPTIONAL),
+    "first_k_dense_replace": (NON_NEGATIVE_INT, OPTIONAL),
+    # gpt-oss: its experts' clamped SwiGLU
+    "swiglu_alpha": (POSITIVE_NUMBER, OPTIONAL),
+    "swiglu_limit": (POSITIVE_NUMBER, OPTIONAL),
 }
 # Rope settings: `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5, per layer type for
 # Gemma 3) hold the same keys.
@@ -108,6 +124,12 @@ for _rope in ROPE_SETTINGS:
         f"{_rope}.low_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
         f"{_rope}.high_freq_factor": (POSITIVE_NUMBER, OPTIONAL),
         f"{_rope}.original_max_position_embeddings": (POSITIVE_INT, OPTIONAL),
+        # YaRN (gpt-oss, DeepSeek)
+        f"{_rope}.beta_fast": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.beta_slow": (POSITIVE_NUMBER, OPTIONAL),
+        f"{_rope}.mscale": (NUMBER, OPTIONAL),
+        f"{_rope}.mscale_all_dim": (NUMBER, OPTIONAL),
+        f"{_rope}.truncate": (BOOL, OPTIONAL),
     })
 
 
@@ -132,8 +154,10 @@ def _rope_has_what_its_kind_needs(rope) -> bool:
     if not isinstance(rope, dict):  # absent
         return True
     kind = _rope_kind(rope)
-    if kind in ("linear", "llama3") and rope.get("factor") is None:
+    if kind in ("linear", "llama3", "yarn") and rope.get("factor") is None:
         return False
+    if kind == "yarn":
+        return rope.get("original_max_position_embeddings") is not None
     if kind == "llama3":
         low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
         return rope.get("original_max_position_embeddings") is not None and low < high
@@ -156,12 +180,22 @@ RELATIONS: list[tuple[tuple[str, ...], Callable[[dict], bool], str]] = [
      or c["num_experts_per_tok"] <= (c.get("num_experts") or c.get("num_local_experts") or c["num_experts_per_tok"]),
      "num_experts_per_tok must be at most the number of experts"),
     (("architectures", "num_experts", "moe_intermediate_size", "num_experts_per_tok"),
-     lambda c: not (c.get("num_experts") or c.get("num_local_experts")) or "MixtralForCausalLM" in
-     (c.get("architectures") or []) or (_present(c, "moe_intermediate_size") and _present(c, "num_experts_per_tok")),
+     lambda c: not (c.get("num_experts") or c.get("num_local_experts"))
+     or {"MixtralForCausalLM", "GptOssForCausalLM"} & set(c.get("architectures") or []) or (_present(c, "moe_intermediate_size") and _present(c, "num_experts_per_tok")),
      "a mixture-of-experts config (num_experts > 0) needs moe_intermediate_size and num_experts_per_tok"),
+    (("architectures", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+     lambda c: "DeepseekV3ForCausalLM" not in (c.get("architectures") or []) or (
+         all(_present(c, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+         and (c["kv_lora_rank"] + c["qk_rope_head_dim"]) % 2 == 0),
+     "DeepSeek-V3's latent attention needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim "
+     "(kv_lora_rank + qk_rope_head_dim even: the cache splits that entry in two)"),
+    (("n_routed_experts", "n_group", "topk_group"),
+     lambda c: not c.get("n_routed_experts") or (c["n_routed_experts"] % (c.get("n_group") or 1) == 0
+                                                   and (c.get("topk_group") or 1) <= (c.get("n_group") or 1)),
+     "n_routed_experts must split into n_group equal groups, and topk_group must be at most n_group"),
     *(((rope,), lambda c, rope=rope: _rope_has_what_its_kind_needs(value_at(c, rope)),
-        f"{rope} of rope_type linear needs factor; llama3 needs factor, original_max_position_embeddings and "
-        f"low_freq_factor < high_freq_factor") for rope in ROPE_SETTINGS),
+        f"{rope} of rope_type linear needs factor; yarn needs factor and original_max_position_embeddings; "
+        f"llama3 needs factor, original_max_position_embeddings and low_freq_factor < high_freq_factor") for rope in ROPE_SETTINGS),
 ]
 
 

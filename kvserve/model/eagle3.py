@@ -61,8 +61,9 @@ class Eagle3Config:
         num_layers = target.num_hidden_layers
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
         ids = tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
-        if len(ids) != 3 or not all(1 <= i < num_layers for i in ids):
-            raise ValueError(f"EAGLE-3 auxiliary layers {ids} must be three target layers in 1..{num_layers - 1}")
+        if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i < num_layers for i in ids):
+            raise ValueError(f"EAGLE-3 auxiliary layers {ids} must be three target layers in 1..{num_layers - 1}, "
+                             f"all different (the head config's eagle_aux_hidden_state_layer_ids)")
         layer_cfg = ModelConfig.from_hf_dict({**cfg, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
         return cls(layer=layer_cfg, draft_vocab_size=cfg.get("draft_vocab_size") or target.vocab_size,
                    target_hidden_size=cfg.get("target_hidden_size") or target.hidden_size,

@@ -412,6 +412,37 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(scaling: dict, dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek): frequencies above the correction range kept, below it divided by the factor,
+    a linear ramp between; cos/sin scaled by the attention factor (DeepSeek's mscale / mscale_all_dim ratio
+    where given). As HF transformers computes it, `truncate` (default on) rounding the range outward."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)  # rounded as HF rounds it
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, rotate-half layout (HF's Llama convention), cos/sin cached in fp32.
     With rotary_dim < head_dim (partial rotary, Phi-4-mini) only each head's first rotary_dim dims turn."""
@@ -429,9 +460,11 @@ class RotaryEmbedding(nn.Module):
         attention_factor = 1.0
         if kind == "longrope":
             inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions)
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn(scaling, dim, theta)
         elif kind not in ("default", "llama3", "linear"):
             raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, "
-                             f"longrope)")
+                             f"longrope, yarn)")
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_cached", freqs.cos() * attention_factor, persistent=False)

@@ -54,8 +54,13 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias,
                                         quant_method=_quant_method(quant_config, f"{prefix}.o_proj"))
+        # gpt-oss: a learned logit per head that joins its softmax's denominator; fp32, as the kernels read it.
+        self.sinks = None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         if cfg.qk_norm:
             self.q_norm = norm_cls(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = norm_cls(self.head_dim, cfg.rms_norm_eps)
@@ -85,8 +90,16 @@ class Attention(nn.Module):
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                   sinks=self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """This rank's heads of the checkpoint's [num_attention_heads] sinks."""
+        from kvserve.model.layers import _copy_into
+
+        rank = get_parallel_state().tp_rank
+        _copy_into(param.data, loaded.narrow(0, rank * self.num_heads, self.num_heads), "sinks")
 
     # vLLM's rule: max |k| maps to 200 and max |v| to 100 (e4m3's largest value is 448), once.
     K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
@@ -181,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         ps = get_parallel_state()
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        rotary = self._rotary(cfg, max_positions)
         # Gemma 3: windowed layers turn with their own base and no scaling.
         rotary_local = rotary
         if cfg.rope_local_theta is not None:
@@ -208,6 +221,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local = rotary_local if rotary_local is not rotary else None
         # EAGLE-3: the layers whose input residual stream (hidden + residual) forward also returns.
         self.aux_layer_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def _rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
 
     @property
     def num_local_layers(self) -> int:

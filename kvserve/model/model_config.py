@@ -39,6 +39,34 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate (0: none)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # How the router turns logits into top-k weights: "softmax_topk" (softmax over all experts, then top-k) or
+    # "topk_softmax" (gpt-oss: top-k logits, then a softmax over those k).
+    moe_router: str = "softmax_topk"
+    moe_bias: bool = False  # gpt-oss: biases on the router and on every expert's projections
+    # The experts' gate activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: clamped at
+    # swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss attention: a learned logit per head joins each softmax's denominator (attention sinks); o_proj
+    # has a bias too.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    # DeepSeek-V3 multi-head latent attention (kv_lora_rank > 0): the KV cache holds, per token and layer, the
+    # compressed latent (kv_lora_rank) and one shared rope key (qk_rope_head_dim), not per-head K/V; heads
+    # have qk_nope_head_dim + qk_rope_head_dim query/key dims and v_head_dim value dims; q_lora_rank 0: a
+    # direct q_proj. Its routing: sigmoid scores, the best topk_group of n_group expert groups, the top-k
+    # weights scaled by routed_scaling_factor; an ungated shared expert.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert
     # --- Per-layer attention, and what the Gemma / Phi-3 families differ in (read by _family_fields) ---
     layer_windows: list[int | None] = field(default_factory=list)  # per layer: its window, or None (full)
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> C * tanh(scores / C)
@@ -57,6 +85,21 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_num_heads(self) -> int:
+        """KV heads as the cache stores them (MLA: one latent entry per token, shared by every head)."""
+        return 1 if self.uses_mla else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Values per head in each of the cache's two planes; MLA splits its latent + rope key entry across
+        the K and V planes (half in each), so a token costs exactly kv_lora_rank + qk_rope_head_dim values."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim) // 2 if self.uses_mla else self.head_dim
 
     @property
     def has_windowed_layers(self) -> bool:
@@ -116,7 +159,9 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA: the query/key head (its config's head_dim is the rope part)
+            head_dim=(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] if cfg.get("kv_lora_rank")
+                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -138,7 +183,7 @@ class ModelConfig:
         return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+        return self.num_hidden_layers * 2 * self.kv_cache_num_heads * self.kv_cache_head_dim * dtype_bytes
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -163,28 +208,60 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attention = h * (q + 2 * kv) + q * h + 2 * h
+        if self.uses_mla:
+            attention = self._mla_attention_params()
         attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        attention += (h if self.o_proj_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         moe = self.num_moe_layers
         dense_mlps = (self.num_hidden_layers - moe) * 3 * h * i
-        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
-        routed = moe * (experts_per_moe_layer * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared)
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gated else 0) \
+            if self.shared_expert_intermediate_size else 0
+        expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.moe_bias else 0)
+        # gpt-oss's router bias; DeepSeek's score correction bias
+        router_bias = self.moe_bias or self.moe_router == "sigmoid_grouped"
+        router = h * self.num_experts + (self.num_experts if router_bias else 0)
+        routed = moe * (experts_per_moe_layer * expert + router + shared)
         return (self.num_hidden_layers * attention + dense_mlps + routed
                 + v * h * (1 if self.tie_word_embeddings else 2) + h)
 
 
-_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise
+    def _mla_attention_params(self) -> int:
+        h, heads, r, rope = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        qk = self.qk_nope_head_dim + rope
+        q_rank = self.q_lora_rank
+        q = h * q_rank + q_rank + q_rank * heads * qk if q_rank else h * heads * qk
+        kv = h * (r + rope) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h + 2 * h
+
+
+# bias on q/k/v unless the config says otherwise
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:
     """The MoE fields of a config.json (HF's names differ by family; transformers 5 saves Qwen3-MoE's expert
     count as num_local_experts, Qwen's own checkpoints as num_experts)."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, top-k renormalised
         return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch == "DeepseekV3ForCausalLM":  # dense first_k_dense_replace layers, then sparse
+        shared = cfg.get("n_shared_experts", 0) or 0
+        return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"], moe_router="sigmoid_grouped",
+                    shared_expert_intermediate_size=cfg["moe_intermediate_size"] * shared, shared_expert_gated=False,
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_group=cfg.get("n_group", 1) or 1,
+                    topk_group=cfg.get("topk_group", 1) or 1,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    mlp_only_layers=list(range(min(cfg.get("first_k_dense_replace", 0) or 0, layers))))
+    if arch == "GptOssForCausalLM":  # every layer sparse; a softmax over the top-k logits; biased experts
+        return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 4),
+                    moe_intermediate_size=cfg["intermediate_size"], moe_router="topk_softmax", moe_bias=True,
+                    moe_activation="swiglu_oai", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
     return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -239,6 +316,14 @@ def _family_fields(arch: str, cfg: dict) -> dict:
         fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
         fields["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
         fields["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
+    if arch == "DeepseekV3ForCausalLM":
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            fields[name] = int(cfg[name])
+        fields["q_lora_rank"] = int(cfg.get("q_lora_rank") or 0)
+        fields["rope_interleave"] = bool(cfg.get("rope_interleave", True))
+    if arch == "GptOssForCausalLM":
+        fields["attention_sinks"] = True
+        fields["o_proj_bias"] = bool(cfg.get("attention_bias", True))  # the o_proj bias goes with the q/k/v ones
     if arch == "GraniteForCausalLM":
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             if cfg.get(name) is not None:

@@ -28,6 +28,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "kvserve.model.llama_moe:Qwen2MoeForCausalLM"),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "kvserve.model.llama_moe:Qwen3MoeForCausalLM"),
         Architecture("MixtralForCausalLM", "mixtral", "kvserve.model.llama_moe:MixtralForCausalLM"),
+        Architecture("GptOssForCausalLM", "gpt_oss", "kvserve.model.gpt_oss:GptOssForCausalLM"),
+        # Multi-head latent attention (a compressed KV cache) with grouped sigmoid routing.
+        Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "kvserve.model.deepseek:DeepseekV3ForCausalLM"),
         Architecture("Gemma2ForCausalLM", "gemma2", "kvserve.model.gemma:Gemma2ForCausalLM"),
         Architecture("Gemma3ForCausalLM", "gemma3_text", "kvserve.model.gemma:Gemma3ForCausalLM"),
         Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
@@ -37,8 +40,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # Architectures people ask for that are not built yet: what each one lacks, for the refusal.
 MISSING: dict[str, str] = {
-    "GptOssForCausalLM": "gpt-oss needs attention sinks, sliding-window layers, its clamped SwiGLU expert "
-                         "activation with biases, and MXFP4 expert weights, which kvserve does not implement yet",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs its softmax group-limited routing, which kvserve does not "
+                             "implement yet (DeepSeek-V3's latent attention and sigmoid routing run)",
 }
 _BY_MODEL_TYPE = {a.model_type: a.name for a in ARCHITECTURES.values()}
 

@@ -22,6 +22,7 @@ class AttentionBackend(Protocol):
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,  # this layer's window: key j visible from query i iff i - W < j <= i
         logits_soft_cap: float | None = None,  # this layer's cap C: scores -> C * tanh(scores / C)
+        sinks: torch.Tensor | None = None,  # [H] float32: head h's softmax denominator gains exp(sinks[h])
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's K/V into the cache at meta.slot_mapping, then attend causally over
         each request's context (cached blocks + this step's tokens; with a window only the keys inside it,

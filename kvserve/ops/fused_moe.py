@@ -1,4 +1,8 @@
-"""Routed experts of a MoE layer: out[t] = sum_k w[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, k].
+"""Routed experts of a MoE layer: out[t] = sum_k w[t, k] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = ids[t, k].
+
+`act` is an ExpertActivation: silu(gate) * up (every family but gpt-oss), or gpt-oss's clamped SwiGLU. gpt-oss's
+experts also have biases (w13_bias [E, 2 * I], w2_bias [E, H]), added to each projection's output before the
+activation and before the routing weight.
 
 Two implementations of the same function:
 * `fused_moe_torch`: the reference (CPU and tests), one pair of GEMMs per expert that has tokens, summed in
@@ -17,8 +21,33 @@ Experts not on this rank (expert parallelism) have id -1 in `local_ids` and cont
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """"silu": silu(gate) * up. "swiglu_oai" (gpt-oss): gate clamped above at `limit`, up to [-limit, limit],
+    then gate * sigmoid(alpha * gate) * (up + 1), as HF's GptOssExperts computes it."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[P, 2 * I] (gate columns, then up columns) -> [P, I]."""
+        inter = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = ExpertActivation()
 
 
 def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -29,17 +58,20 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: tor
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    w2_scale: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """x [T, H]; topk_weights [T, K] (float32); local_ids [T, K] (this rank's expert index, -1: elsewhere)."""
     out = torch.zeros_like(x)
-    inter = w2.shape[-1]
     for e in torch.unique(local_ids).tolist():
         if e < 0:
             continue
         token, slot = torch.where(local_ids == e)
         gate_up = F.linear(x[token], _dequantized(w13, w13_scale, e, x.dtype))
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(hidden, _dequantized(w2, w2_scale, e, x.dtype))
+        if w13_bias is not None:  # added after the product, as HF adds it (not fused into the GEMM)
+            gate_up = gate_up + w13_bias[e]
+        y = F.linear(activation(gate_up), _dequantized(w2, w2_scale, e, x.dtype))
+        if w2_bias is not None:
+            y = y + w2_bias[e]
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
     return out
 
@@ -167,14 +199,15 @@ def _get_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_pairs", "capacity"])
-    def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, b_scale_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
-                         num_rows_ptr, N, K, num_pairs, capacity,
+    def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, b_scale_ptr, bias_ptr, weights_ptr, sorted_pairs_ptr,
+                         block_expert_ptr, num_rows_ptr, N, K, num_pairs, capacity,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                         stride_se, stride_sn,
+                         stride_se, stride_sn, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
-        """C[pair, :] = A[row of pair] @ B[expert]^T (* scale) (* routing weight), one block of sorted pairs
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[pair, :] = (A[row of pair] @ B[expert]^T (* scale) (+ bias[expert])) (* routing weight), one block
+        of sorted pairs
         (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs share a token's row of x (the
         gate_up GEMM), or each pair has its own row (the down GEMM reads the activated pairs)."""
         pid = tl.program_id(0)
@@ -207,6 +240,8 @@ def _get_kernel():
             b_ptrs += BLOCK_K * stride_bk
         if HAS_SCALE:
             acc *= tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if MUL_WEIGHT:
             acc *= tl.load(weights_ptr + pair, mask=pair_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -216,7 +251,7 @@ def _get_kernel():
     return _kernel
 
 
-def _grouped_gemm(a, b, b_scale, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg):
+def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg):
     import triton
 
     num_pairs = c.shape[0]
@@ -226,19 +261,24 @@ def _grouped_gemm(a, b, b_scale, c, weights, sorted_pairs, block_expert, num_row
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(capacity, block_m) * triton.cdiv(n, block_n),)
     scale = b_scale if b_scale is not None else b  # unused without HAS_SCALE
+    if bias is not None:
+        assert bias.stride(-1) == 1
     _get_kernel()[grid](
-        a, b, c, scale, weights if weights is not None else c, sorted_pairs, block_expert, num_rows,
-        n, k, num_pairs, capacity,
+        a, b, c, scale, bias if bias is not None else c, weights if weights is not None else c, sorted_pairs,
+        block_expert, num_rows, n, k, num_pairs, capacity,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scale.stride(0) if b_scale is not None else 0, scale.stride(1) if b_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None,
-        **cfg,
+        HAS_BIAS=bias is not None, **cfg,
     )
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                     w2_scale: torch.Tensor | None = None, all_experts_local: bool = True) -> torch.Tensor:
+                     w2_scale: torch.Tensor | None = None, all_experts_local: bool = True,
+                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                     activation: ExpertActivation = SILU) -> torch.Tensor:
     """Same contract as fused_moe_torch. all_experts_local=False (expert parallelism): pairs routed elsewhere
     leave their rows zero."""
     tokens, top_k = local_ids.shape
@@ -249,11 +289,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     # Rows of pairs routed to other ranks are never written: zeros, so the sum below reads nothing stale.
     alloc = torch.empty if all_experts_local else torch.zeros
     gate_up = alloc(pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, gate_up, None, sorted_pairs, block_expert, num_rows, top_k, cfg)
-    from kvserve.ops.fused_kernels import silu_and_mul
+    _grouped_gemm(x, w13, w13_scale, w13_bias, gate_up, None, sorted_pairs, block_expert, num_rows, top_k, cfg)
+    if activation.kind == "silu":
+        from kvserve.ops.fused_kernels import silu_and_mul
 
-    hidden = silu_and_mul(gate_up)
+        hidden = silu_and_mul(gate_up)
+    else:  # gpt-oss's clamped SwiGLU: elementwise torch ops between the two GEMMs (no fused kernel for it yet)
+        hidden = activation(gate_up).contiguous()
     down = alloc(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _grouped_gemm(hidden, w2, w2_scale, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg)
+    _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg)
     return down.view(tokens, top_k, -1).sum(dim=1)

@@ -9,7 +9,9 @@ batched call. tests/kernels/test_torch_attention.py checks the two agree.
 
 Per-layer options (both functions): `sliding_window` W makes key j visible from query i iff i - W < j <= i
 (only those keys are read, so blocks left of every query's window may have been freed), and
-`logits_soft_cap` C replaces each score s (already scaled) by C * tanh(s / C) before the softmax (Gemma 2).
+`logits_soft_cap` C replaces each score s (already scaled) by C * tanh(s / C) before the softmax (Gemma 2),
+and `sinks` ([H] float, gpt-oss) adds exp(sinks[h]) to each softmax denominator of head h: a virtual key
+with that logit and a zero value, which takes a share of the attention.
 """
 
 from __future__ import annotations
@@ -64,28 +66,35 @@ def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: 
     return kv_cache[0][tables].reshape(shape)[:, lo:hi], kv_cache[1][tables].reshape(shape)[:, lo:hi]
 
 
-def _soft_capped_attention(q, k, v, mask, scale, is_causal, soft_cap):
-    """SDPA's maths over [B, H, Tq, D] x [B, H, S, D] with the scores capped (SDPA has no hook for it), in
-    fp32 as HF's eager attention computes it."""
+def _explicit_attention(q, k, v, mask, scale, is_causal, soft_cap=None, sinks=None):
+    """SDPA's maths over [B, H, Tq, D] x [B, H, S, D] with the scores capped and/or a sink logit per head
+    ([H, 1], broadcast over the query rows; SDPA has hooks for neither), in fp32 as HF's eager attention
+    computes it."""
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share is dropped
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def _sdpa(q, k, v, mask, scale, is_causal=False, soft_cap=None):
-    """q [B, Tq, H, D], k/v [B, S, Hkv, D], mask [B, 1, Tq, S] bool or None."""
+def _sdpa(q, k, v, mask, scale, is_causal=False, soft_cap=None, sinks=None):
+    """q [B, Tq, H, D], k/v [B, S, Hkv, D], mask [B, 1, Tq, S] bool or None, sinks [H] or None."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
                                              enable_gqa=q.shape[1] != k.shape[1])
     else:
         group = q.shape[1] // k.shape[1]  # GQA: each KV head serves `group` query heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = _soft_capped_attention(q, k, v, mask, scale, is_causal, soft_cap)
+        out = _explicit_attention(q, k, v, mask, scale, is_causal, soft_cap,
+                                  None if sinks is None else sinks.view(-1, 1, 1))
     return out.transpose(1, 2)
 
 
@@ -103,7 +112,8 @@ def window_start(first_query_pos: int, sliding_window: int | None) -> int:
 
 
 def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: write the step's K/V, then each request's queries attend causally to its context
     as read back from the cache (query j of a request sits at position seq_len - q_len + j); with a window,
     only the keys inside it are read."""
@@ -121,7 +131,7 @@ def reference_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float
         query_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
         mask = visible_keys(query_pos, torch.arange(first, seq_len, device=q.device), sliding_window)[None, None]
         out[qsl[i]:qsl[i + 1]] = _sdpa(q[qsl[i]:qsl[i + 1]].unsqueeze(0), keys, values, mask, scale,
-                                       soft_cap=logits_soft_cap)[0]
+                                       soft_cap=logits_soft_cap, sinks=sinks)[0]
     return out
 
 
@@ -222,23 +232,24 @@ class TorchAttentionBackend:
         return plan
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if is_fp8_cache(kv_cache):  # the definition dequantizes what it reads (fp8 KV on CPU: tests only)
             return reference_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale, sliding_window,
-                                       logits_soft_cap)
+                                       logits_soft_cap, sinks)
         # Every K/V write of the layer happens before any read, so a request may read blocks that
         # another request of the same step is filling (prefix hits published this step).
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         plan = self.plan(meta, q.device, sliding_window)
         cap = logits_soft_cap
         if plan.all_decode and q.shape[0] == plan.num_tokens:
-            return self._decode(q, kv_cache, plan, scale, cap)
+            return self._decode(q, kv_cache, plan, scale, cap, sinks)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         key_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
         value_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
-            out[plan.decode_tokens] = self._decode(q[plan.decode_tokens], kv_cache, plan, scale, cap)
+            out[plan.decode_tokens] = self._decode(q[plan.decode_tokens], kv_cache, plan, scale, cap, sinks)
         heads, head_dim = q.shape[1:]
         kv_heads = k.shape[1]
         for start, n, length, mask in plan.fresh_runs:
@@ -246,15 +257,18 @@ class TorchAttentionBackend:
             out[start:end] = _sdpa(
                 q[start:end].view(n, length, heads, head_dim), k[start:end].view(n, length, kv_heads, head_dim),
                 v[start:end].view(n, length, kv_heads, head_dim), mask, scale, is_causal=mask is None, soft_cap=cap,
+                sinks=sinks,
             ).reshape(end - start, heads, head_dim)
         for start, end, slots, mask in plan.context_chunks:
             keys = key_cache.index_select(0, slots).unsqueeze(0)
             values = value_cache.index_select(0, slots).unsqueeze(0)
-            out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys, values, mask, scale, soft_cap=cap)[0]
+            out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys, values, mask, scale, soft_cap=cap,
+                                   sinks=sinks)[0]
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, plan: StepPlan, scale: float, soft_cap: float | None = None) -> torch.Tensor:
+    def _decode(q, kv_cache, plan: StepPlan, scale: float, soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] (one query per request) -> [B, H, D]."""
         b, s = plan.decode_shape
         kv_heads, head_dim = kv_cache.shape[3:]
@@ -265,8 +279,9 @@ class TorchAttentionBackend:
         # rows need no causal mask here and the padding mask [B, 1, 1, S] broadcasts over them, which is
         # cheaper than SDPA's own GQA.
         q, keys, values = q.reshape(b, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2)
-        if soft_cap is None:
+        if soft_cap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.decode_mask, scale=scale)
-        else:
-            out = _soft_capped_attention(q, keys, values, plan.decode_mask, scale, False, soft_cap)
+        else:  # query head kvh * G + g is row g of KV head kvh: its sink goes with it
+            out = _explicit_attention(q, keys, values, plan.decode_mask, scale, False, soft_cap,
+                                      None if sinks is None else sinks.view(kv_heads, -1, 1))
         return out.reshape(b, -1, head_dim)

@@ -30,6 +30,11 @@ Per-layer options, each a constexpr switch so a layer without them compiles to t
   unmasked, the rest masked by both bounds; a decode split covers only ``[max(0, seq_len - W), seq_len)``.
 * ``logits_soft_cap`` C (SOFT_CAP): each scaled score s becomes ``C * tanh(s / C)`` before the softmax
   (Gemma 2); the kernels work in the log2 domain, so they cap with C * log2(e).
+* ``sinks`` ([H] float32, HAS_SINKS; gpt-oss): head h's softmax denominator also holds ``exp(sinks[h])``,
+  a virtual key of that logit and zero value. Added once per row after the last key (``_add_sink``: the
+  running max becomes ``max(m, sink)``, acc and the sum rescale to it); split-KV decode adds it in the
+  combine kernel instead, after the splits' partials are merged (and in the decode kernel when there is
+  one split).
 """
 
 from __future__ import annotations
@@ -134,16 +139,25 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _add_sink(acc, l_i, m_i, sink):
+    """The sink logit (log2 domain, [BLOCK_M]) as one more key with a zero value: rescale to the new max."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)  # 0 for a row that saw no key (m_i = -inf)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_new)
+
+
 # Block-table width varies per step: not a specialization key, or each new width could compile anew.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-    num_reqs, qk_scale, window, soft_cap,
+    sinks_ptr, num_reqs, qk_scale, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
     # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
@@ -217,6 +231,9 @@ def _unified_attention_kernel(
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
         True, KV_FP8, HAS_WINDOW, SOFT_CAP,
     )
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
+        acc, l_i = _add_sink(acc, l_i, m_i, sink)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -228,13 +245,14 @@ def _unified_attention_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-    window, soft_cap,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Decode-only batches: one program per (request, kv head, split of the context)."""
     req = tl.program_id(0)
@@ -284,6 +302,9 @@ def _decode_kernel(
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
         True, KV_FP8, False, SOFT_CAP,
     )
+    if HAS_SINKS and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
+        acc, l_i = _add_sink(acc, l_i, m_i, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
@@ -300,10 +321,10 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, sinks_ptr,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -318,8 +339,13 @@ def _combine_splits_kernel(
     l_s = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
     o_s = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + d[None, :], mask=s_ok[:, None], other=0.0)
     m_max = tl.max(m_s, axis=0)  # finite: the first split always holds the first visible key
+    sink_share = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E_C
+        m_max = tl.maximum(m_max, sink)
+        sink_share = tl.exp2(sink - m_max)
     w = tl.exp2(m_s - m_max) * l_s  # empty splits: exp2(-inf) * 0 = 0
-    out = tl.sum(o_s * w[:, None], axis=0) / tl.sum(w, axis=0)
+    out = tl.sum(o_s * w[:, None], axis=0) / (tl.sum(w, axis=0) + sink_share)
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -419,7 +445,8 @@ class TritonAttentionBackend:
         return self.LONG_PREFILL_CONFIG if max_query_len >= self.LONG_PREFILL_MIN_QUERY else self.PREFILL_CONFIG
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -442,11 +469,16 @@ class TritonAttentionBackend:
         qk_scale = scale * _LOG2E
         block_tables = meta.block_tables
         common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec,
-                  "KV_FP8": kv_fp8, "HAS_WINDOW": sliding_window is not None, "SOFT_CAP": logits_soft_cap is not None}
+                  "KV_FP8": kv_fp8, "HAS_WINDOW": sliding_window is not None, "SOFT_CAP": logits_soft_cap is not None,
+                  "HAS_SINKS": sinks is not None}
         # Unread when their switch is off; the cap in the kernels' log2 domain.
         window = sliding_window or 0
         soft_cap = (logits_soft_cap or 1.0) * _LOG2E
         scale_ptrs = (k_scale, v_scale) if kv_fp8 else (meta.seq_lens, meta.seq_lens)  # unread without fp8
+        if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+            raise ValueError(f"sinks must be float32 [{num_heads}] (one logit per query head), got "
+                             f"{sinks.dtype} {tuple(sinks.shape)}")
+        sinks_ptr = sinks if sinks is not None else meta.seq_lens  # unread without sinks
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
 
         num_splits = meta.num_kv_splits
@@ -461,15 +493,15 @@ class TritonAttentionBackend:
             part_l = torch.empty_like(part_m)
             _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
                 out, part_out, part_m, part_l,
-                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, qk_scale,
-                window, soft_cap, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, sinks_ptr,
+                qk_scale, window, soft_cap, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
                 NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
                 TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
             )
             _combine_splits_kernel[(num_reqs, num_heads)](
-                out, part_out, part_m, part_l, meta.query_start_loc, out.stride(0), out.stride(1),
+                out, part_out, part_m, part_l, meta.query_start_loc, sinks_ptr, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_P=_next_pow2(num_splits),
-                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, num_warps=4,
+                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HAS_SINKS=sinks is not None, num_warps=4,
             )
             return out
 
@@ -479,7 +511,7 @@ class TritonAttentionBackend:
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
         _unified_attention_kernel[(num_tiles * num_kv_heads,)](
-            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs,
+            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, sinks_ptr,
             num_reqs, qk_scale, window, soft_cap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,

@@ -62,6 +62,17 @@ class RankShape:
     moe_intermediate_size: int = 0  # per rank, of each local expert
     shared_expert_intermediate_size: int = 0  # per rank
     num_experts_per_tok: int = 0
+    # gpt-oss: biased router and experts, an o_proj bias and a float32 sink logit per head.
+    moe_bias: bool = False
+    shared_expert_gated: bool = True
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    # What one KV head costs per token in each of the cache's K and V planes (ModelConfig.kv_cache_head_dim;
+    # head_dim unless the model caches something else: DeepSeek's latent, one "head" for all of them).
+    kv_head_dim: int = 0
+    # DeepSeek's latent attention: (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim),
+    # or None for q/k/v heads.
+    mla: tuple[int, int, int, int, int] | None = None
 
 
 def pipeline_layers(num_layers: int, pp: int) -> list[int]:
@@ -86,7 +97,8 @@ def _moe_shape(cfg, tp: int, expert_parallel: bool, first_layer: int, num_layers
         local, inter = experts, cfg.moe_intermediate_size // tp
     return dict(moe_layers=moe_layers, num_experts=experts, num_local_experts=local, moe_intermediate_size=inter,
                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
-                num_experts_per_tok=cfg.num_experts_per_tok)
+                num_experts_per_tok=cfg.num_experts_per_tok, moe_bias=getattr(cfg, "moe_bias", False),
+                shared_expert_gated=getattr(cfg, "shared_expert_gated", True))
 
 
 def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) -> list[RankShape]:
@@ -108,7 +120,7 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             stage=i,
             num_layers=n,
             num_heads=heads // tp,
-            num_kv_heads=max(1, kv_heads // tp),  # replicated when tp > kv_heads
+            num_kv_heads=1 if getattr(cfg, "uses_mla", False) else max(1, kv_heads // tp),  # replicated: tp > kv_heads
             head_dim=cfg.head_dim,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size // tp,
@@ -118,10 +130,31 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             tie_word_embeddings=cfg.tie_word_embeddings,
             attention_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
+            o_proj_bias=getattr(cfg, "o_proj_bias", False),
+            attention_sinks=getattr(cfg, "attention_sinks", False),
+            kv_head_dim=getattr(cfg, "kv_cache_head_dim", cfg.head_dim),
+            mla=(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+            if getattr(cfg, "uses_mla", False) else None,
             **_moe_shape(cfg, tp, expert_parallel, first, n),
         )
         for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
     ]
+
+
+def draft_rank_shape(draft_cfg, tp: int = 1) -> RankShape:
+    """A draft model (speculative decoding) on one rank: split like the target, every layer on the one
+    stage (drafts run with a single pipeline stage). Its KV cache lives in the target's blocks: each block
+    holds the target's and the draft's K/V of the same tokens."""
+    return rank_shapes(draft_cfg, tp, 1)[0]
+
+
+def draft_bytes(draft_cfg, tp: int, dtype_bytes: int, kv_dtype_bytes: int, max_model_len: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) a draft model adds to each rank; (0, 0) without one."""
+    if draft_cfg is None:
+        return 0, 0
+    shape = draft_rank_shape(draft_cfg, tp)
+    weights = weight_bytes(shape, dtype_bytes) + rotary_cache_bytes(shape.head_dim, max_model_len)
+    return weights, kv_bytes_per_token(shape, kv_dtype_bytes)
 
 
 def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -157,14 +190,23 @@ def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = 
         + 2 * h * dtype_bytes  # input and post-attention norms
         + ((q + 2 * kv) * dtype_bytes if shape.attention_bias else 0)
         + (2 * hd * dtype_bytes if shape.qk_norm else 0)
+        + (h * dtype_bytes if shape.o_proj_bias else 0)
+        + (shape.num_heads * 4 if shape.attention_sinks else 0)
     )
+    if shape.mla is not None:
+        attention = _mla_attention_bytes(shape, dtype_bytes, quantization)
     total = shape.num_layers * attention + (shape.num_layers - shape.moe_layers) * _mlp_bytes(
         h, shape.intermediate_size, dtype_bytes, quantization)
     if shape.moe_layers:
         moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, quantization)
         moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
+        if shape.mla is not None:  # DeepSeek: its router and correction bias are fp32
+            moe += shape.num_experts * (h + 1) * 4 - h * shape.num_experts * dtype_bytes
+        if shape.moe_bias:  # the router's, and each local expert's gate_up and down biases
+            moe += (shape.num_experts + shape.num_local_experts * (2 * shape.moe_intermediate_size + h)) * dtype_bytes
         if shape.shared_expert_intermediate_size:
-            moe += _mlp_bytes(h, shape.shared_expert_intermediate_size, dtype_bytes, quantization) + h * dtype_bytes
+            moe += _mlp_bytes(h, shape.shared_expert_intermediate_size, dtype_bytes, quantization)
+            moe += h * dtype_bytes if shape.shared_expert_gated else 0
         total += shape.moe_layers * moe
     vocab_rows = shape.vocab_size * h * dtype_bytes
     if shape.has_embedding:
@@ -177,13 +219,26 @@ def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = 
     return total
 
 
+def _mla_attention_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None) -> int:
+    """One rank's latent attention: q_a (replicated) and q_b (its heads), kv_a (replicated) and kv_b (its
+    heads), o_proj, the latent norms and the layer's two norms."""
+    h, heads = shape.hidden_size, shape.num_heads
+    q_rank, kv_rank, nope, rope, v = shape.mla
+    q = (_linear_bytes(h, q_rank, dtype_bytes, quantization) + q_rank * dtype_bytes
+         + _linear_bytes(q_rank, heads * (nope + rope), dtype_bytes, quantization)) if q_rank else \
+        _linear_bytes(h, heads * (nope + rope), dtype_bytes, quantization)
+    kv = (_linear_bytes(h, kv_rank + rope, dtype_bytes, quantization) + kv_rank * dtype_bytes
+          + _linear_bytes(kv_rank, heads * (nope + v), dtype_bytes, quantization))
+    return q + kv + _linear_bytes(heads * v, h, dtype_bytes, quantization) + 2 * h * dtype_bytes
+
+
 def rotary_cache_bytes(head_dim: int, max_positions: int) -> int:
     """cos and sin tables, fp32, (max_positions, head_dim / 2) each."""
     return 2 * max_positions * (head_dim // 2) * 4
 
 
 def kv_bytes_per_token(shape: RankShape, kv_dtype_bytes: int) -> int:
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
+    return shape.num_layers * 2 * shape.num_kv_heads * (shape.kv_head_dim or shape.head_dim) * kv_dtype_bytes
 
 
 def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int, block_size: int,
@@ -288,10 +343,14 @@ def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[str, int]] | N
 def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: int, tie_word_embeddings: bool
                             ) -> int:
     """Bytes the loaded model holds: float tensors are cast to the serving dtype, packed/quantized tensors
-    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded."""
+    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded. MXFP4 experts (gpt-oss:
+    `_blocks` of two values a byte, `_scales`) are dequantized at load to the serving dtype."""
     total = 0
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
+            continue
+        if dtype == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
+            total += 2 * numel * dtype_bytes if name.endswith("_blocks") else 0
             continue
         if dtype in _SAFETENSORS_FLOAT:
             total += numel * dtype_bytes
@@ -328,6 +387,7 @@ class PlanInputs:
     others_bytes: int = CUDA_CONTEXT_BYTES
     # Exact unsharded weight bytes read from the checkpoint's headers, when there is one.
     checkpoint_weights: int | None = None
+    draft_model_config: object = None  # speculative decoding with a draft model: its ModelConfig
 
 
 @dataclass
@@ -337,8 +397,10 @@ class RankPlan:
     weights: int
     activation_peak: int
     graph_reserve: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the target's and, with a draft model, the draft's
     kv_bytes: int  # what this rank can give the KV cache
+    draft_weights: int = 0  # included in weights
+    draft_kv_bytes_per_token: int = 0  # included in kv_bytes_per_token
 
 
 @dataclass
@@ -393,14 +455,16 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
     shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
     single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
     budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
+    draft_weights, draft_per_token = draft_bytes(p.draft_model_config, p.tensor_parallel_size, dtype_bytes,
+                                                 kv_dtype, p.max_model_len)
     ranks = []
     for shape in shapes:
         if single and p.checkpoint_weights is not None:
             weights = p.checkpoint_weights
         else:
             weights = weight_bytes(shape, dtype_bytes, p.quantization)
-        weights += rotary_cache_bytes(shape.head_dim, p.max_model_len)
-        per_token = kv_bytes_per_token(shape, kv_dtype)
+        weights += rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len) + draft_weights
+        per_token = kv_bytes_per_token(shape, kv_dtype) + draft_per_token
         activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,
                                            p.block_size, kv_dtype)
         graphs = cuda_graph_reserve_bytes(activation, p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager)
@@ -413,7 +477,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
         else:
             kv = kv_cache_bytes(budget, p.others_bytes, weights, activation, 0, graphs)
         ranks.append(RankPlan(shape.stage, shape.num_layers, weights, activation,
-                              graphs if p.total_gpu_bytes else 0, per_token, kv))
+                              graphs if p.total_gpu_bytes else 0, per_token, kv, draft_weights, draft_per_token))
     # Every stage keeps the same block count: the one with the fewest blocks decides.
     deciding = min(ranks, key=lambda r: r.kv_bytes // (r.kv_bytes_per_token * p.block_size))
     per_block = deciding.kv_bytes_per_token * p.block_size

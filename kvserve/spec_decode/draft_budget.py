@@ -24,7 +24,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class BudgetChoice:
     num_draft_tokens: int
-    reason: str  # for the log and /metrics: "acceptance", "batch size", "probe", "on"
+    reason: str  # for the log and /metrics: "on", "probe", or what turned it down: "batch size", "draft cost",
+    # "acceptance"
 
 
 class DraftBudget:
@@ -81,7 +82,10 @@ class DraftBudget:
     def choose(self, batch_size: int) -> BudgetChoice:
         """Drafts per request for a step of `batch_size` decoding requests."""
         if not self.would_draft(batch_size):
-            return BudgetChoice(0, "batch size")
+            # Whether the batch alone rules drafts out, or a draft forward costs more than it can save.
+            sat = self.saturation_tokens
+            target_only = max(1.0, 2 * batch_size / sat) / max(1.0, batch_size / sat)
+            return BudgetChoice(0, "draft cost" if 2.0 / target_only >= self.min_gain else "batch size")
         k, gain = self._best(batch_size)
         if k > 0 and gain >= self.min_gain:
             self._steps_off = 0

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Sequence
 
 from kvserve.spec_decode.draft_budget import BudgetChoice, DraftBudget
+from kvserve.spec_decode.draft_slots import DraftSlots
 from kvserve.spec_decode.ngram_proposer import NgramProposer
 from kvserve.speculative_config import SpeculativeConfig
 from kvserve.spec_decode.stats import SpecDecodeStats
@@ -22,17 +23,37 @@ SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
 MIN_GAIN = {"cuda": 1.08, "cpu": 1.03}
 
 
+def _weights_read_per_step(cfg) -> int:
+    """Parameters a decode step reads: all but an untied input embedding (only its looked-up rows)."""
+    return cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
 class Drafter:
-    def __init__(self, spec: SpeculativeConfig, device_type: str):
-        if spec.method != "ngram":
-            raise ValueError(f"--speculative-config: method {spec.method} has no proposer yet")
+    def __init__(self, spec: SpeculativeConfig, device_type: str, draft_step_cost: float = 0.0):
+        """`draft_step_cost`: one draft forward's cost relative to the target's (0 for n-gram lookup)."""
         self.spec = spec
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
+        elif spec.method in ("draft_model", "eagle3"):
+            self.proposer = DraftSlots(spec.num_speculative_tokens)
+        else:
+            raise ValueError(f"--speculative-config: method {spec.method} has no proposer yet")
         self.budget = DraftBudget(spec.num_speculative_tokens,
                                   saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]),
+                                  draft_step_cost=draft_step_cost,
                                   min_gain=MIN_GAIN.get(device_type, MIN_GAIN["cuda"]))
         self.totals = SpecDecodeStats()  # since start: /metrics counters and the log line take differences
         self.last_choice = BudgetChoice(spec.num_speculative_tokens, "on")
+
+    @classmethod
+    def from_config(cls, config) -> "Drafter":
+        """The engine's drafter for an EngineConfig with a speculative config. A draft model's step is
+        bound by reading its weights, as the target's: its cost is the ratio of their parameters."""
+        cost = 0.0
+        if config.draft_model_config is not None:
+            cost = _weights_read_per_step(config.draft_model_config) / _weights_read_per_step(config.model_config)
+        return cls(config.args.speculative_config, config.device, draft_step_cost=cost)
 
     def decide(self, batch_size: int) -> BudgetChoice:
         """Once per step: the draft tokens per request for the coming steps of `batch_size` requests."""

@@ -10,11 +10,13 @@ forward and the CUDA-graph replays read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 import torch
 
-from kvserve.core.sched_output import PLACEHOLDER_TOKEN_ID, StepMessage
+from kvserve.core.sched_output import ONE_PLACEHOLDER, PLACEHOLDER_TOKEN_ID, StepMessage
 
 
 class BlockTables:
@@ -56,7 +58,7 @@ class BlockTables:
             self.free_rows.append(row)
 
     def gather(self, rids: list[str]) -> np.ndarray:
-        rows = np.fromiter((self.rows[r] for r in rids), dtype=np.int64, count=len(rids))
+        rows = np.fromiter(map(self.rows.__getitem__, rids), dtype=np.int64, count=len(rids))
         return self.table[rows, : int(self.lengths[rows].max())]
 
 
@@ -79,31 +81,42 @@ class RequestState:
         self.needs_sample = False
         self.output_len = 0
 
-    def schedule(self, start: int, num_tokens: int, spec_token_ids: list[int]) -> None:
-        """This step computes tokens [start, start + num_tokens): known ids, then the token the step in
-        flight samples (a placeholder, filled on the device), then the drafts."""
+    def schedule(self, num_tokens: int, spec_token_ids: list[int]) -> None:
+        """This step computes tokens [start_pos, start_pos + num_tokens): known ids, then the token the step
+        in flight samples (a placeholder, filled on the device), then the drafts."""
+        start = self.start_pos
         prompt, outputs = self.prompt_token_ids, self.output_token_ids
         p = len(prompt)
         known = p + len(outputs)
         end = start + num_tokens - len(spec_token_ids)
-        stop = min(end, known)
-        if stop <= p:
-            tokens = prompt[start:stop]
-        elif start >= p:
-            tokens = outputs[start - p:stop - p]
+        if start >= known and not spec_token_ids:  # a decode behind the step in flight: a placeholder
+            tokens = ONE_PLACEHOLDER if end - known == 1 else [PLACEHOLDER_TOKEN_ID] * (end - known)
         else:
-            tokens = prompt[start:] + outputs[:stop - p]
-        if end > known:
-            tokens += [PLACEHOLDER_TOKEN_ID] * (end - known)
+            stop = min(end, known)
+            if stop <= p:
+                tokens = prompt[start:stop]
+            elif start >= p:
+                tokens = outputs[start - p:stop - p]
+            else:
+                tokens = prompt[start:] + outputs[:stop - p]
+            if end > known:
+                tokens += [PLACEHOLDER_TOKEN_ID] * (end - known)
         if spec_token_ids:
             tokens += spec_token_ids
-        self.start_pos = start
         self.token_ids = tokens
         self.spec_token_ids = spec_token_ids
         # A chunk that reaches the known tokens samples (the scheduler never stops a chunk right before
         # a token in flight: that token is all a request with one in flight has left to compute).
         self.needs_sample = end >= known
         self.output_len = len(outputs) + (end > known)
+
+    def set_drafts(self, draft_token_ids: list[int]) -> None:
+        """A draft model's tokens in this step's draft slots (the scheduler sent placeholders)."""
+        n = len(self.spec_token_ids)
+        if len(draft_token_ids) != n:
+            raise ValueError(f"{len(draft_token_ids)} draft tokens for {n} draft slots")
+        self.token_ids = self.token_ids[:len(self.token_ids) - n] + list(draft_token_ids)
+        self.spec_token_ids = list(draft_token_ids)
 
 
 @dataclass
@@ -128,6 +141,7 @@ class StepLayout:
         return self.starts + self.q_lens
 
 
+_token_ids, _start_pos, _request_id = attrgetter("token_ids"), attrgetter("start_pos"), attrgetter("request_id")
 NO_PLACEHOLDERS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
@@ -141,6 +155,9 @@ class InputBatch:
         # The last step's sampled ids, on the device, and each request's row in them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows: dict[str, int] = {}
+        # Live requests that asked for prompt logprobs, and whether the last applied step verifies drafts.
+        self.prompt_logprobs_ids: set[str] = set()
+        self.has_drafts = False
 
     def apply(self, msg: StepMessage) -> list[RequestState]:
         """Takes in one step message; returns the step's requests in batch order."""
@@ -149,41 +166,57 @@ class InputBatch:
             reqs.pop(rid, None)
             tables.release(rid)
             self.generators.pop(rid, None)
+            self.prompt_logprobs_ids.discard(rid)
         for rid in msg.preempted_req_ids:
             tables.release(rid)  # the generator stays: a resumed request continues its stream
         for rid, num_blocks in msg.trimmed_block_tables.items():
             tables.trim(rid, num_blocks)
         for new in msg.scheduled_new_reqs:
             rid = new.req_id
-            reqs[rid] = RequestState(rid, new.prompt_token_ids, new.sampling_params, new.output_token_ids,
-                                     new.adapter_id)
+            state = reqs[rid] = RequestState(rid, new.prompt_token_ids, new.sampling_params, new.output_token_ids,
+                                             new.adapter_id)
+            state.start_pos = new.num_computed_tokens
             tables.release(rid)
             tables.add(rid, new.block_ids)
             seed = getattr(new.sampling_params, "seed", None)
             if seed is not None and rid not in self.generators:
                 self.generators[rid] = torch.Generator(device=self.device).manual_seed(seed)
+            if getattr(new.sampling_params, "prompt_logprobs", None) is not None:
+                self.prompt_logprobs_ids.add(rid)
+            else:
+                self.prompt_logprobs_ids.discard(rid)
         cached = msg.scheduled_cached_reqs
-        for rid, new_tokens, new_blocks in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids):
+        for rid, new_tokens, new_blocks, start in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids,
+                                                      cached.num_computed_tokens):
+            state = reqs[rid]
+            state.start_pos = start
             if new_tokens:
-                reqs[rid].output_token_ids.extend(new_tokens)
+                state.output_token_ids.extend(new_tokens)
             if new_blocks:
                 tables.append(rid, new_blocks)
-        starts = {new.req_id: new.num_computed_tokens for new in msg.scheduled_new_reqs}
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         spec = msg.scheduled_spec_decode_tokens
+        self.has_drafts = bool(spec)
         batch = []
+        append = batch.append
         for rid, num in msg.num_scheduled_tokens.items():
             state = reqs[rid]
-            state.schedule(starts[rid], num, spec.get(rid, ()) if spec else ())
-            batch.append(state)
+            state.schedule(num, spec.get(rid, ()) if spec else ())
+            append(state)
         return batch
+
+    def wants_prompt_logprobs(self, batch: list[RequestState]) -> bool:
+        """Whether a request of this step asked for prompt logprobs (most steps: none is live at all)."""
+        ids = self.prompt_logprobs_ids
+        return bool(ids) and any(s.request_id in ids for s in batch)
 
     def layout(self, batch: list[RequestState]) -> StepLayout:
         num_reqs = len(batch)
-        q_lens = np.fromiter((len(s.token_ids) for s in batch), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.start_pos for s in batch), dtype=np.int64, count=num_reqs)
-        token_ids = np.fromiter((t for s in batch for t in s.token_ids), dtype=np.int64, count=int(q_lens.sum()))
-        tables = self.block_tables.gather([s.request_id for s in batch])
+        # map / attrgetter / chain walk the batch in C: this runs once per request per step.
+        tokens = list(map(_token_ids, batch))
+        q_lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter(map(_start_pos, batch), dtype=np.int64, count=num_reqs)
+        token_ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=int(q_lens.sum()))
+        tables = self.block_tables.gather(list(map(_request_id, batch)))
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         req_idx = np.repeat(np.arange(num_reqs), q_lens)
@@ -191,10 +224,11 @@ class InputBatch:
         bs = self.block_size
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
         sampling = [i for i, s in enumerate(batch) if s.needs_sample]
-        has_drafts = any(batch[i].spec_token_ids for i in sampling)
+        sampling_requests = [batch[i] for i in sampling]
+        has_drafts = self.has_drafts and any(s.spec_token_ids for s in sampling_requests)
         if not has_drafts:  # one logits row per sampling request: its chunk's last token
             logits_indices = qsl[1:][sampling] - 1
-            sample_states = [batch[i] for i in sampling]
+            sample_states = sampling_requests
         else:  # a request with k drafts samples at its last 1 + k tokens
             index, sample_states = [], []
             for i in sampling:
@@ -205,7 +239,7 @@ class InputBatch:
                 sample_states.extend([s] * n)
             logits_indices = np.asarray(index, dtype=np.int64)
         return StepLayout(token_ids, q_lens, starts, tables, qsl, positions, slot_mapping, logits_indices,
-                          sample_states, [batch[i] for i in sampling],
+                          sample_states, sampling_requests,
                           self._placeholders(batch, token_ids, qsl), has_drafts)
 
     def _placeholders(self, batch, token_ids: np.ndarray, qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -87,7 +87,7 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, total_gpu_bytes=total_gpu_bytes,
-        others_bytes=others_bytes,
+        others_bytes=others_bytes, draft_model_config=config.draft_model_config,
     )
 
 
@@ -99,13 +99,28 @@ def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
 
 def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:
     kv_dtype = memory_plan.kv_cache_dtype_bytes(getattr(config.args, "kv_cache_dtype", "auto"), config.dtype)
-    return memory_plan.kv_bytes_per_token(rank_shape(config, stage), kv_dtype) * config.args.block_size
+    target = memory_plan.kv_bytes_per_token(rank_shape(config, stage), kv_dtype) * config.args.block_size
+    return target + draft_kv_bytes_per_block(config)
+
+
+def _draft_bytes(config: EngineConfig) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of the draft model on this rank; (0, 0) without one."""
+    kv_dtype = memory_plan.kv_cache_dtype_bytes(getattr(config.args, "kv_cache_dtype", "auto"), config.dtype)
+    return memory_plan.draft_bytes(getattr(config, "draft_model_config", None), parallel_sizes(config)[0],
+                                   memory_plan.DTYPE_BYTES[config.dtype], kv_dtype, config.max_model_len)
+
+
+def draft_kv_bytes_per_block(config: EngineConfig) -> int:
+    """What a draft model adds to each block on this rank: its K/V of the block's tokens."""
+    return _draft_bytes(config)[1] * config.args.block_size
 
 
 def estimated_weight_bytes(config: EngineConfig, stage: int = 0) -> int:
+    """The target's weights on this stage, and the draft model's (stage 0 holds it)."""
     quant = getattr(config.args, "quantization", None)
-    return memory_plan.weight_bytes(rank_shape(config, stage), memory_plan.DTYPE_BYTES[config.dtype],
-                                    None if quant in (None, "none") else quant)
+    target = memory_plan.weight_bytes(rank_shape(config, stage), memory_plan.DTYPE_BYTES[config.dtype],
+                                      None if quant in (None, "none") else quant)
+    return target + (_draft_bytes(config)[0] if stage == 0 else 0)
 
 
 def kv_cache_bytes_cpu(config: EngineConfig, bytes_per_block: int) -> int:

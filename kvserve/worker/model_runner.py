@@ -14,6 +14,7 @@ from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_nex
 from kvserve.model.loader import DTYPES, load_model
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
+from kvserve.worker import memory
 from kvserve.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from kvserve.structured_output.bitmask import apply_token_bitmask
 from kvserve.worker.input_batch import NO_PLACEHOLDERS, InputBatch, StepLayout
@@ -58,6 +59,19 @@ class ModelRunner:
 
             pack_cpu_linears(self.model)
             tune_malloc_for_cpu_inference()  # before the KV cache and the first step allocate
+        # A draft model or an EAGLE-3 head: fills the draft slots each step, its cache in the same blocks.
+        self.draft_runner = None
+        spec = config.args.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from kvserve.worker.draft_model_runner import DraftModelRunner
+
+            self.draft_runner = DraftModelRunner(config, self.backend, self.kv_cache_dtype, self._build_inputs)
+        elif spec is not None and spec.method == "eagle3":
+            from kvserve.worker.eagle3_runner import Eagle3Runner
+
+            self.draft_runner = Eagle3Runner(config, self.model, self.backend, self.kv_cache_dtype,
+                                             self._build_inputs)
+        self.eagle = spec is not None and spec.method == "eagle3"
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
@@ -72,19 +86,24 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel)."""
+        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel), and
+        a draft model's K/V of the same tokens."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         model = self.model
-        return model.num_local_layers * 2 * model.num_local_kv_heads * self.model_config.head_dim * elem * self.block_size
+        per_head = self.model_config.kv_cache_head_dim
+        target = model.num_local_layers * 2 * model.num_local_kv_heads * per_head * elem * self.block_size
+        return target + (memory.draft_kv_bytes_per_block(self.config) if self.draft_runner is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.draft_runner is not None:
+            self.draft_runner.initialize_kv_cache(num_blocks)
 
     # ---- swap space (preemption by swapping) --------------------------------------------------------------
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
@@ -150,6 +169,10 @@ class ModelRunner:
         if self.config.attention_backend != "triton":
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
             return
+        if self.eagle:
+            logger.info("CUDA graphs are not captured with an EAGLE-3 head (the head reads the target's hidden "
+                        "states of every step); running eagerly")
+            return
         self.graph_runner = CudaGraphRunner(
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
@@ -186,6 +209,8 @@ class ModelRunner:
             zeros = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
             intermediate = (zeros, zeros.clone())
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, meta, intermediate)
+        if self.eagle:
+            hidden = hidden[0]
         if not self.model.is_last_stage:
             del scratch, hidden
             return
@@ -240,7 +265,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is None:
             return None
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             return None
         num_reqs = len(batch)
         last_sampled = self.input_batch.last_sampled
@@ -293,6 +318,8 @@ class ModelRunner:
         caller can schedule and launch the next step meanwhile."""
         self._drop_deferred()
         batch = self.input_batch.apply(msg)
+        if self.draft_runner is not None:
+            self.draft_runner.apply(msg)
         # Swap-outs first: a block swapped out in this step may be swapped into or written by this step.
         self.swap_blocks(msg.blocks_to_swap_out, to_cpu=True)
         self.swap_blocks(msg.blocks_to_swap_in, to_cpu=False)
@@ -306,8 +333,11 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "calculate_kv_scales"):
                     module.calculate_kv_scales = True
+        if self.draft_runner is not None and any(s.spec_token_ids for s in batch):
+            self.draft_runner.propose(batch, self.input_batch.block_tables.gather([s.request_id for s in batch]))
         layout = self.input_batch.layout(batch)
         logits_input = None if calculate_kv_scales else self._run_graph(batch, layout)
+        aux = None
         if logits_input is None:
             inputs, meta = self._build_inputs(layout)
             if meta.max_query_len == 1:
@@ -318,16 +348,20 @@ class ModelRunner:
                 shape = (meta.num_actual_tokens, self.model_config.hidden_size)
                 intermediate = recv_from_prev_stage([shape, shape], self.dtype, self.device)
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, meta, intermediate)
+            if self.eagle:  # the target also returns the states its head reads
+                hidden, aux = hidden
             if not model.is_last_stage:  # only the last stage computes logits and samples
                 send_to_next_stage(list(hidden))
                 return PendingOutput.empty()
             logits_input = hidden[inputs.logits_indices] if layout.sample_states else None
         prompt_logprobs = {}
-        if any(getattr(s.sampling_params, "prompt_logprobs", None) is not None for s in batch):
+        if self.input_batch.wants_prompt_logprobs(batch):
             prompt_logprobs = compute_prompt_logprobs(
                 batch, inputs.query_start_loc_cpu.tolist(), hidden, self.model.compute_logits,
                 self.model_config.vocab_size)
         if not layout.sample_states:
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
 
@@ -352,7 +386,11 @@ class ModelRunner:
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
+        if aux is not None:
+            self.draft_runner.observe(batch, layout, inputs, meta, aux, verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

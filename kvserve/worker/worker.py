@@ -58,6 +58,8 @@ class Worker:
         with self.startup.phase(memory.LOADING_WEIGHTS, needed=memory.estimated_weight_bytes(config, ps.pp_rank)):
             self.runner = ModelRunner(config, self.layer_range)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        if self.runner.draft_runner is not None:
+            self.weights_bytes += self.runner.draft_runner.weights_bytes
         logger.info("rank %d: loaded %s in %.1f s (%s, %s)", self.rank, config.model_path,
                     time.perf_counter() - t0, config.dtype, config.device)
         logger.info("rank %d: model weights take %.4f GiB as stored (quantization: %s)", self.rank,

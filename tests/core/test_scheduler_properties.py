@@ -1254,7 +1254,7 @@ class SpecRun:
             end = s.start_pos + len(s.token_ids)
             k = len(s.spec_token_ids)
             attended = [self.physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(end)]
-            assert attended == r.all_token_ids[:end - k] + s.spec_token_ids, f"{s.request_id} reads wrong K/V"
+            assert attended == r.all_token_ids[:end - k] + list(s.spec_token_ids), f"{s.request_id} reads wrong K/V"
             if not s.needs_sample:
                 continue
             new = []

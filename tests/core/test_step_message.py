@@ -51,7 +51,7 @@ def _run(async_scheduling: bool, drafts: bool) -> dict[str, int]:
             # The worker rebuilt the scheduler's record of this step from the diff alone.
             assert (state.start_pos, state.token_ids, state.needs_sample, state.output_len) == (
                 s.start_pos, s.token_ids, s.needs_sample, s.output_len)
-            assert list(state.spec_token_ids) == s.spec_token_ids
+            assert list(state.spec_token_ids) == list(s.spec_token_ids)
             rows = batch.block_tables
             row = rows.rows[s.request_id]
             assert rows.table[row, :rows.lengths[row]].tolist() == kv.block_ids(s.request_id)

@@ -98,6 +98,56 @@ def test_triton_fused_moe_fp8_weights_equal_dequantized_reference():
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def _gpt_oss_extras(experts, hidden, inter, seed=1):
+    from kvserve.ops.fused_moe import ExpertActivation
+
+    g = torch.Generator().manual_seed(seed)
+    return dict(w13_bias=torch.randn(experts, 2 * inter, generator=g),
+                w2_bias=torch.randn(experts, hidden, generator=g),
+                activation=ExpertActivation("swiglu_oai", alpha=1.702, limit=0.8))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+def test_torch_reference_with_biases_and_clamped_swiglu_is_hf_gpt_oss_experts():
+    """The reference's gpt-oss options against HF's own GptOssExperts (interleaved gate/up, [E, in, out])."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    x, w13, w2, weights, ids = _case(17, 8, 2, 32, 24, torch.float32)
+    extras = _gpt_oss_extras(8, 32, 24)
+    hf = GptOssExperts(transformers.GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                                                 swiglu_limit=0.8))
+    with torch.no_grad():
+        interleaved = torch.stack([w13[:, :24], w13[:, 24:]], dim=2).reshape(8, 48, 32)  # gate, up, gate, ...
+        hf.gate_up_proj.copy_(interleaved.transpose(1, 2))
+        bias = extras["w13_bias"]
+        hf.gate_up_proj_bias.copy_(torch.stack([bias[:, :24], bias[:, 24:]], 2).reshape(8, 48))
+        hf.down_proj.copy_(w2.transpose(1, 2))
+        hf.down_proj_bias.copy_(extras["w2_bias"])
+        expected = hf(x, ids, weights)
+    torch.testing.assert_close(fused_moe_torch(x, w13, w2, weights, ids, **extras), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_triton_fused_moe_with_biases_and_clamped_swiglu_equals_torch_reference(tokens):
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = _case(tokens, 8, 2, 64, 32, torch.float32)
+    extras = _gpt_oss_extras(8, 64, 32)
+    ref = fused_moe_torch(x, w13, w2, weights, ids, **extras)
+    torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids, **extras), ref, atol=1e-5, rtol=1e-5)
+    # Expert parallel: each rank adds the biases of its own experts only.
+    halves = []
+    for first in (0, 4):
+        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
+        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4],
+                "w2_bias": extras["w2_bias"][first:first + 4]}
+        halves.append(fused_moe_triton(x, w13[first:first + 4], w2[first:first + 4], weights, local,
+                                       all_experts_local=False, **part))
+    torch.testing.assert_close(halves[0] + halves[1], ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 7, 64, 512, 4096])
@@ -131,3 +181,19 @@ def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewh
     blocks = lambda s: [sorted(s[i:i + block_m].tolist()) for i in range(0, rows, block_m)]  # noqa: E731
     assert blocks(got[0]) == blocks(ref[0])
     assert (got[0][rows:] == tokens * top_k).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_triton_fused_moe_gpt_oss_shapes_on_gpu_equal_torch_reference(tokens):
+    """gpt-oss-20b's expert shapes (32 experts, top-4, 2880 wide) with biases and the clamped SwiGLU, bf16."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, w13, w2, weights, ids = (t.cuda() for t in _case(tokens, 32, 4, 2880, 2880, torch.bfloat16))
+    extras = {k: (v.cuda() * 0.1).to(torch.bfloat16) if isinstance(v, torch.Tensor) else v
+              for k, v in _gpt_oss_extras(32, 2880, 2880).items()}
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids,
+                          **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in extras.items()})
+    out = fused_moe_triton(x, w13, w2, weights, ids, **extras)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -75,7 +75,7 @@ def _on_device(layer):
 def test_dequantize_kernel_equals_reference(method, opt):
     """The prefill path's dequantize kernel writes exactly IntWeights.dequantize's W (same fp32 ops)."""
     from kvserve.model.quantization.int_weights import IntWeights
-    from kvserve.model.quantization.triton_int_dequant import dequantize_int
+    from kvserve.ops.triton_int_dequant import dequantize_int
 
     layer = _layer(method, 384, 96, **opt)  # 3 K tiles of 128; 96 columns: a masked N tile
     _on_device(layer)
@@ -93,7 +93,8 @@ def test_skinny_split_k_equals_reference(method, opt, rows):
     and the shared workspace and tile counters are left zero for the next call (CUDA-graph replays rely
     on it)."""
     from kvserve.model.quantization.int_weights import IntWeights
-    from kvserve.model.quantization.triton_int_gemv import _workspaces, skinny_int_gemm
+    from kvserve.ops.split_k_atomic import is_clean
+    from kvserve.ops.triton_int_gemv import skinny_int_gemm
 
     k, n = (320 if opt["group_size"] <= 64 else 384), 96  # 320: a partial last K tile of 128
     layer = _layer(method, k, n, **opt)
@@ -107,22 +108,59 @@ def test_skinny_split_k_equals_reference(method, opt, rows):
             got = skinny_int_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits,
                                   layer.group_size, split, config)
             torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4, msg=f"{config} split {split}")
-            ws = _workspaces.get(x.device)
-            if ws is not None:
-                assert not ws[0].any() and not ws[1].any(), "workspace not left clean"
+            assert is_clean(x.device), "workspace not left clean"
+
+
+@pytest.mark.parametrize("method,opt", INT_CASES, ids=INT_IDS)
+@pytest.mark.parametrize("rows", [17, 40])  # one M tile with a ragged edge, several
+def test_mma_kernel_equals_dequantized_reference(method, opt, rows):
+    """The tensor-core GEMM multiplies by exactly the reference's dequantized weight: fp32 (the products of
+    the same W, summed in another order) and fp16 (W rounded once, as the reference rounds it), at every
+    split count (ragged last split, partial last K tile) and tile shape; the workspace is left clean."""
+    from kvserve.model.quantization.int_weights import IntWeights
+    from kvserve.ops.split_k_atomic import is_clean
+    from kvserve.ops.triton_int_mma import mma_int_gemm
+
+    k, n = (320 if opt["group_size"] <= 64 else 384), 96  # 96 columns: a masked N tile
+    layer = _layer(method, k, n, **opt)
+    device = _on_device(layer)
+    cases = [(torch.float32, 1e-5), (torch.float16, 2e-3)] + ([] if INTERPRETED else [(torch.bfloat16, 2e-2)])
+    for dtype, tol in cases:
+        # As served in dtype: its scales and zeros; the reference W is (q - z) * s in fp32, rounded to dtype once.
+        layer.scales.data, layer.zeros.data = layer.scales.data.to(dtype), layer.zeros.data.to(dtype)
+        x = torch.randn(rows, k, device=device).to(dtype)
+        reference = x.float() @ IntWeights.dequantize(layer).float()
+        for config in [(64, 32, 64, 4, 2), (32, 16, 128, 4, 2)]:
+            for split in (1, 2, 3):
+                got = mma_int_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits,
+                                   layer.group_size, config, split)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), reference, atol=tol, rtol=tol, msg=f"{config} split {split}")
+                assert is_clean(x.device), "workspace not left clean"
+
+
+def _uses_bf16_dot(path, rows: int) -> bool:
+    return path.kernel == "mma" or (path.kernel == "skinny" and rows > 1)
 
 
 @pytest.mark.parametrize("method,opt", [INT_CASES[2], INT_CASES[3], INT_CASES[5]], ids=[INT_IDS[2], INT_IDS[3],
                                                                                        INT_IDS[5]])
-@pytest.mark.parametrize("rows", [1, 4, 16, 40, 256])  # skinny M=1, skinny dot, then dequant + matmul
+@pytest.mark.parametrize("rows", [1, 4, 16, 40, 256, 300])  # skinny M=1, skinny dot, mma, dequant + matmul
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int_matmul_dispatch(method, opt, rows, dtype):
-    """The engine's entry point at every path it picks by M, against the reference dequantize-then-matmul
-    in fp32; bf16 as served (scales, zeros and activations)."""
-    from kvserve.model.quantization.int_matmul import SKINNY_MAX_M, int_matmul
+@pytest.mark.parametrize("table", ["engine", "mma"])  # the table as it is; with the mma kernel in its buckets
+def test_int_matmul_dispatch(method, opt, rows, dtype, table, monkeypatch):
+    """The engine's entry point at every path its table picks by M, against the reference
+    dequantize-then-matmul in fp32; bf16 as served (scales, zeros and activations)."""
+    from kvserve.model.quantization import int_matmul as rule
+    from kvserve.model.quantization.int_matmul import int_matmul, int_path
     from kvserve.model.quantization.int_weights import IntWeights
 
-    if INTERPRETED and dtype == torch.bfloat16 and 1 < rows <= SKINNY_MAX_M:
+    if table == "mma":
+        monkeypatch.setattr(rule, "INT_PATHS", tuple(
+            rule.IntPath(p.max_rows, "mma", rule.mma_config(p.max_rows)) if rule.SKINNY_MAX_M < p.max_rows <= 256
+            else p for p in rule.INT_PATHS))
+
+    if INTERPRETED and dtype == torch.bfloat16 and _uses_bf16_dot(int_path(rows), rows):
         pytest.skip("the interpreter's tl.dot gives garbage for bf16 operands")
     k, n = 256, 96
     layer = _layer(method, k, n, **opt)
@@ -254,11 +292,32 @@ def _fp8_weight(n: int, k: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=compiled_only)],
                          ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 48), (1, 640, 96), (5, 640, 96), (16, 2048, 64)])
+def test_fp8_gemv_equals_dequantized_reference(dtype, m, k, n):
+    """The one-launch decode kernel: the FMA variant (one row) and the tl.dot one (2-16 rows), ragged K,
+    N not a multiple of BLOCK_N, split counts including a ragged last split; the workspace is left clean."""
+    from kvserve.ops.split_k_atomic import is_clean
+    from kvserve.ops.triton_fp8_gemv import fp8_gemv
+
+    q, scale, ref_w = _fp8_weight(n, k)
+    x = torch.randn(m, k).to(dtype).to(DEVICE)
+    ref = x.float() @ ref_w.T
+    tol = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]  # 16-bit: the output rounding
+    for config in [(16, 256, 4, 2), (64, 128, 4, 2)]:
+        for split_k in (None, 1, 3):
+            got = fp8_gemv(x, q, scale, config, split_k)
+            assert got.dtype == dtype and got.shape == (m, n)
+            torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=f"{config} split {split_k}")
+            assert is_clean(x.device), "workspace not left clean"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=compiled_only)],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("m,k,n", [(1, 1024, 48), (5, 640, 96), (16, 2048, 64), (33, 512, 32)])
 def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
     """x @ (e4m3 weight * per-channel scale)^T: ragged K (640 is not a multiple of BLOCK_K), N not a multiple
     of BLOCK_N, M past one BLOCK_M tile; split-K (forced) agrees with a single split."""
-    from kvserve.model.quantization.triton_fp8_gemm import w8a16_gemm
+    from kvserve.ops.triton_fp8_gemm import w8a16_gemm
 
     q, scale, ref_w = _fp8_weight(n, k)
     x = torch.randn(m, k).to(dtype).to(DEVICE)
@@ -271,15 +330,20 @@ def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 40])
-def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatch):
+@pytest.mark.parametrize("decode_kernel", ["w8a16", "gemv"])
+def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, decode_kernel, monkeypatch):
     """Fp8LinearMethod.apply's GPU path on the CPU: torch._scaled_mm (no CPU FP8 GEMM) is replaced by its
-    definition. Up to MAX_ROWS rows the W8A16 kernel runs (activations unquantized: close to the
+    definition. Where fp8_matmul's table says, a W8A16 kernel runs (activations unquantized: close to the
     dequantized reference); above, the Triton per-token quantization feeds _scaled_mm with exactly the
     reference quantize_per_token's bytes and scales."""
     from torch import nn
 
-    from kvserve.model.quantization import fp8, triton_fp8_gemm
+    from kvserve.model.quantization import fp8, fp8_matmul
+    from kvserve.model.quantization.fp8_matmul import fp8_path
 
+    monkeypatch.setattr(fp8_matmul, "FP8_PATHS", tuple(
+        fp8_matmul.Fp8Path(p.max_rows, decode_kernel, fp8_matmul.GEMV_CONFIGS[p.max_rows] if decode_kernel == "gemv"
+                           else None) if p.kernel != "scaled_mm" else p for p in fp8_matmul.FP8_PATHS))
     k, n = 256, 96
     q, scale, ref_w = _fp8_weight(n, k)
     calls = []
@@ -302,7 +366,7 @@ def test_fp8_linear_apply_chooses_by_rows_and_matches_reference(rows, monkeypatc
         out = method.apply(layer, x, bias)
         assert out.shape == (*x.shape[:-1], n) and out.dtype == x.dtype
         m = x.shape[0] * x.shape[1]
-        if m <= triton_fp8_gemm.MAX_ROWS:
+        if fp8_path(m).kernel != "scaled_mm":
             assert not calls
             torch.testing.assert_close(out.float(), x.float() @ ref_w.T + bias.float(), atol=3e-3, rtol=3e-3)
             continue

@@ -135,9 +135,9 @@ def test_moe_pipeline_parallel_matches_hf(moe_model):
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
 
 
-def test_gpt_oss_is_refused_with_what_is_missing():
-    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
-    with pytest.raises(ValueError, match="attention sinks.*MXFP4.*Supported: .*Qwen3MoeForCausalLM"):
+def test_deepseek_v2_is_refused_with_what_is_missing():
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+    with pytest.raises(ValueError, match="group-limited routing.*Supported: .*GptOssForCausalLM"):
         ModelConfig.from_hf_dict(cfg)
 
 

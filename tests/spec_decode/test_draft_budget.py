@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.spec_decode.draft_budget import DraftBudget
+from kvserve.spec_decode.draft_budget import BudgetChoice, DraftBudget
 
 
 def _budget_with(acceptance: list[float], **kw) -> DraftBudget:
@@ -34,6 +34,14 @@ def test_past_saturation_speculation_is_off_whatever_the_acceptance():
     assert (choice.num_draft_tokens, choice.reason) == (0, "batch size")
     # Near saturation only short drafts pay: 48 requests x (1 + k) crosses 128 tokens at k = 2.
     assert _budget_with([0.9] * 4, saturation_tokens=128).choose(48).num_draft_tokens <= 2
+
+
+def test_a_draft_that_costs_what_it_saves_is_turned_down_for_its_cost():
+    # An oracle draft as large as the target: each draft is right, and costs a whole target forward.
+    b = _budget_with([1.0] * 4, draft_step_cost=1.0)
+    assert b.choose(1) == BudgetChoice(0, "draft cost")
+    assert _budget_with([0.8] * 4, draft_step_cost=0.1).choose(1).num_draft_tokens >= 2
+    assert _budget_with([1.0] * 4, saturation_tokens=128, draft_step_cost=1.0).choose(256).reason == "batch size"
 
 
 def test_low_acceptance_turns_off_and_probes_to_recover():

@@ -3,16 +3,14 @@ layout, over kvserve's paged KV cache: one prefill over the target's positions, 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.eagle3 import Eagle3Config, Eagle3Head
 from kvserve.model.model_config import ModelConfig
 from kvserve.ops.attention_backend import get_attention_backend
 from kvserve.ops.attention_metadata import AttentionMetadata
+from tests import eagle3_reference
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96
 VOCAB, DRAFT_VOCAB, TARGET_H, TARGET_LAYERS = 50, 20, 48, 8
@@ -55,52 +53,13 @@ def _checkpoint(seed=0, with_embedding=True) -> dict[str, torch.Tensor]:
     return sd
 
 
-# ---- the reference: the head's math, whole sequences at once -----------------------------------------
-def _rms(x, w):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
-
-
-def _rope(x, pos):  # x [T, heads, D]; HF Llama's rotate-half convention
-    inv = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
-    ang = pos[:, None].float() * inv[None, :]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    x1, x2 = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
+# ---- the reference (tests/eagle3_reference.py) at this file's shapes -----------------------------------
 def reference_head(sd, token_ids, hidden):
-    """token_ids [T], hidden [T, H] (fc output or the previous position's pre-norm output)."""
-    t = len(token_ids)
-    pos = torch.arange(t)
-    x = torch.cat([_rms(sd["embed_tokens.weight"][token_ids], sd["midlayer.input_layernorm.weight"]),
-                   _rms(hidden, sd["midlayer.hidden_norm.weight"])], -1)
-    q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(t, HEADS, HEAD_DIM)
-    k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM)
-    v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM)
-    q, k = _rope(q, pos), _rope(k, pos)
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
-    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, -1)
-    h = attn @ sd["midlayer.self_attn.o_proj.weight"].T + hidden
-    n = _rms(h, sd["midlayer.post_attention_layernorm.weight"])
-    prenorm = (F.silu(n @ sd["midlayer.mlp.gate_proj.weight"].T) * (n @ sd["midlayer.mlp.up_proj.weight"].T)
-               ) @ sd["midlayer.mlp.down_proj.weight"].T + h
-    normed = _rms(prenorm, sd["norm.weight"])
-    draft_ids = (normed @ sd["lm_head.weight"].T).argmax(-1)
-    return normed, prenorm, draft_ids + sd["d2t"][draft_ids]
+    return eagle3_reference.reference_head(sd, token_ids, hidden, HEADS, KV_HEADS, EPS, THETA)
 
 
 def reference_chain(sd, tokens, aux, k):
-    """Prefill positions 0..T-1 (token t + 1 with the target's state at t), then k chained drafts."""
-    hidden = torch.cat(aux, -1) @ sd["fc.weight"].T
-    ids, drafts = list(tokens), []
-    for _ in range(k):
-        _, prenorm, next_ids = reference_head(sd, torch.tensor(ids), hidden)
-        drafts.append(int(next_ids[-1]))
-        ids.append(drafts[-1])
-        hidden = torch.cat([hidden, prenorm[-1:]])  # the new position reads the previous pre-norm state
-    return drafts
+    return eagle3_reference.reference_chain(sd, tokens, aux, k, HEADS, KV_HEADS, EPS, THETA)
 
 
 # ---- ours, over a paged cache ------------------------------------------------------------------------

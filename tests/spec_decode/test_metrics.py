@@ -52,3 +52,22 @@ def test_nothing_about_speculation_when_it_is_off():
     metrics = EngineMetrics("m")
     metrics.observe_engine(_stats(None, None))
     assert _value(metrics.render().decode(), "kvserve:spec_decode_num_drafts_total") == 0
+
+
+def test_the_turn_down_and_its_reason_are_visible(caplog):
+    metrics = EngineMetrics("m")
+    totals = SpecDecodeStats()
+    totals.observe(3, 1)
+    stats = _stats(totals.copy(), k=0)
+    stats.speculation_reason = "batch size"
+    metrics.observe_engine(stats)
+    text = metrics.render().decode()
+    assert _value(text, 'kvserve:spec_decode_state{model_name="m",reason="batch size"}') == 1
+    assert _value(text, 'kvserve:spec_decode_state{model_name="m",reason="on"}') == 0
+    caplog.set_level(logging.INFO, logger="kvserve.metrics")
+    metrics.log.generation_tokens = 4
+    metrics.log.maybe_log()
+    assert "draft tokens per request now: 0 (turned down: batch size)" in caplog.text
+    stats.speculation_reason = "on"
+    metrics.observe_engine(stats)
+    assert _value(metrics.render().decode(), 'kvserve:spec_decode_state{model_name="m",reason="on"}') == 1

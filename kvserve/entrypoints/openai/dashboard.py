@@ -33,6 +33,9 @@ METRIC_SAMPLES = {
     "prefix_cache_queries": "prefix_cache_queries_total",
     "prefix_cache_hits": "prefix_cache_hits_total",
     "num_preemptions": "num_preemptions_total",
+    "spec_decode_num_drafts": "spec_decode_num_drafts_total",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_speculative_tokens": "spec_decode_num_speculative_tokens",
 }
 
 
@@ -57,6 +60,22 @@ class DashboardFeed:
                     values[key] += s.value
         return values
 
+    def speculation(self) -> dict | None:
+        """Speculative decoding at a glance (None when it is not configured): mean acceptance length since
+        start (tokens per verify step of a request with drafts) and the draft budget's reason now."""
+        m = self.metric_values()
+        reason = None
+        for family in self.metrics.registry.collect():
+            for s in family.samples:
+                if s.name == PREFIX + "spec_decode_state" and s.value == 1 and \
+                        s.labels.get("model_name") == self.labels["model_name"]:
+                    reason = s.labels["reason"]
+        if reason is None:
+            return None
+        drafts = m["spec_decode_num_drafts"]
+        return {"acceptance_length": 1 + m["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+                "num_speculative_tokens": int(m["spec_decode_num_speculative_tokens"]), "reason": reason}
+
     def sample(self, _snapshot: dict | None = None) -> None:
         """One history point: token throughput since the previous point, and KV usage now."""
         now = time.monotonic()
@@ -78,6 +97,7 @@ class DashboardFeed:
         return {
             "model": self.labels["model_name"],
             "metrics": self.metric_values(),
+            "speculation": self.speculation(),
             "snapshot": getattr(engine, "kv_snapshot", None),
             "history": list(self.history),
         }

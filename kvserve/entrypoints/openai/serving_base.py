@@ -419,10 +419,36 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(num_prompt: int, num_completion: int, num_preemptions: int = 0) -> dict:
+@dataclasses.dataclass(frozen=True)
+class RequestCounts:
+    """What usage reports beyond tokens (kvserve's additions): how often the engine evicted the request's
+    K/V (KV cache too small), and with speculative decoding its draft tokens verified and accepted."""
+
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @classmethod
+    def of(cls, out) -> "RequestCounts":
+        """The request's counts so far, from one of its RequestOutputs."""
+        metrics = getattr(out, "metrics", None)
+        return cls(getattr(out, "num_preemptions", 0), getattr(metrics, "num_draft_tokens", 0),
+                   getattr(metrics, "num_accepted_tokens", 0))
+
+    @classmethod
+    def total(cls, counts) -> "RequestCounts":
+        counts = list(counts)
+        return cls(*(sum(getattr(c, f) for c in counts) for f in ("num_preemptions", "num_draft_tokens",
+                                                                   "num_accepted_tokens")))
+
+
+def usage(num_prompt: int, num_completion: int, counts: RequestCounts | None = None) -> dict:
     out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
-    if num_preemptions:  # kvserve's addition: how often the engine evicted this request's K/V (KV cache too small)
-        out["num_preemptions"] = num_preemptions
+    if counts is not None and counts.num_preemptions:
+        out["num_preemptions"] = counts.num_preemptions
+    if counts is not None and counts.num_draft_tokens:
+        out["num_draft_tokens"] = counts.num_draft_tokens
+        out["num_accepted_tokens"] = counts.num_accepted_tokens
     return out
 
 

@@ -26,6 +26,7 @@ from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessa
 from kvserve.entrypoints.openai.serving_base import (
     SSE_DONE,
     EventStreamResponse,
+    RequestCounts,
     ServingBase,
     before_deadline,
     chat_logprobs,
@@ -283,11 +284,11 @@ class ServingChat(ServingBase):
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
         finish: dict[int, tuple] = {}
-        num_preemptions = 0
+        counts = RequestCounts()
         prompt_logprobs = None
         try:
             async for out in stream:
-                num_preemptions = getattr(out, "num_preemptions", 0)
+                counts = RequestCounts.of(out)
                 if prompt_logprobs is None:
                     prompt_logprobs = out.prompt_logprobs
                 for c in out.outputs:
@@ -300,10 +301,10 @@ class ServingChat(ServingBase):
             raise engine_error(e) from None
         finally:
             self.engine.abort(stream.request_id)
-        return texts, tokens, logprobs, finish, num_preemptions, prompt_logprobs
+        return texts, tokens, logprobs, finish, counts, prompt_logprobs
 
     def _response(self, req, request_id, created, num_prompt, reader, texts, tokens, logprobs, finish,
-                  num_preemptions: int = 0, prompt_logprobs=None, echo: str = "") -> dict:
+                  counts: RequestCounts | None = None, prompt_logprobs=None, echo: str = "") -> dict:
         choices = []
         num_completion = 0
         for k in range(req.n):
@@ -325,7 +326,7 @@ class ServingChat(ServingBase):
             })
         response = {"id": request_id, "object": "chat.completion", "created": created,
                     "model": self.served_model_name, "choices": choices,
-                    "usage": usage(num_prompt, num_completion, num_preemptions)}
+                    "usage": usage(num_prompt, num_completion, counts)}
         if prompt_logprobs is not None:  # vLLM's field, beside choices
             response["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, self.tokenizer)
         return response
@@ -336,7 +337,7 @@ class ServingChat(ServingBase):
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
-        num_completion = num_preemptions = 0
+        num_completion, counts = 0, RequestCounts()
         choice_streams = [reader.streamer() for _ in range(req.n)]
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
@@ -351,7 +352,7 @@ class ServingChat(ServingBase):
                     yield sse({**base, "choices": [{"index": k, "delta": {"content": echo}, "logprobs": None,
                                                     "finish_reason": None}]})
             async for out in before_deadline(stream, deadline):
-                num_preemptions = getattr(out, "num_preemptions", 0)  # the request's count so far
+                counts = RequestCounts.of(out)  # the request's counts so far
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -370,10 +371,10 @@ class ServingChat(ServingBase):
                             "finish_reason": finish_reason if last else None,
                             "stop_reason": c.stop_reason if last else None}]}
                         if continuous:
-                            chunk["usage"] = usage(num_prompt, num_completion, num_preemptions)
+                            chunk["usage"] = usage(num_prompt, num_completion, counts)
                         yield sse(chunk)
             if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion, num_preemptions)})
+                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion, counts)})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)

@@ -13,6 +13,7 @@ from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_base import (
     SSE_DONE,
     EventStreamResponse,
+    RequestCounts,
     ServingBase,
     before_deadline,
     completion_logprobs,
@@ -37,7 +38,7 @@ class _Prompt:
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
         self.prompt_logprobs = None
-        self.num_preemptions = 0
+        self.counts = RequestCounts()
 
     def keep_prompt_logprobs(self, out) -> None:
         # They arrive once, with the first output of the request.
@@ -119,7 +120,7 @@ class ServingCompletion(ServingBase):
             async for i, out in merged(streams):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
-                p.num_preemptions = getattr(out, "num_preemptions", 0)
+                p.counts = RequestCounts.of(out)
                 for c in out.outputs:
                     p.texts[c.index] = p.texts.get(c.index, "") + c.text
                     p.tokens.setdefault(c.index, []).extend(c.token_ids)
@@ -154,7 +155,7 @@ class ServingCompletion(ServingBase):
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name,
                 "choices": choices,
-                "usage": usage(num_prompt, num_completion, sum(p.num_preemptions for p in prompts))}
+                "usage": usage(num_prompt, num_completion, RequestCounts.total(p.counts for p in prompts))}
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams,
                       deadline=None):
@@ -166,7 +167,7 @@ class ServingCompletion(ServingBase):
             async for i, out in before_deadline(merged(streams), deadline):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
-                p.num_preemptions = getattr(out, "num_preemptions", 0)  # the request's count so far
+                p.counts = RequestCounts.of(out)  # the request's counts so far
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if (not c.text and not c.token_ids and c.finish_reason is None
@@ -179,12 +180,12 @@ class ServingCompletion(ServingBase):
                              "choices": [{"index": i * req.n + c.index, "text": text, "logprobs": logprobs,
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                     if continuous:
-                        chunk["usage"] = usage(num_prompt, num_completion, sum(q.num_preemptions for q in prompts))
+                        chunk["usage"] = usage(num_prompt, num_completion, RequestCounts.total(q.counts for q in prompts))
                     yield sse(chunk)
             if include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
                            "model": self.served_model_name, "choices": [],
-                           "usage": usage(num_prompt, num_completion, sum(q.num_preemptions for q in prompts))})
+                           "usage": usage(num_prompt, num_completion, RequestCounts.total(q.counts for q in prompts))})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)

@@ -13,6 +13,7 @@ from kvserve.model.quantization.base import QuantizationConfig
 from kvserve.model.quantization.compressed_tensors import CompressedTensorsConfig
 from kvserve.model.quantization.fp8 import Fp8Config
 from kvserve.model.quantization.gptq import GPTQConfig
+from kvserve.model.quantization.mxfp4 import Mxfp4Config
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "gptq": GPTQConfig,
     "fp8": Fp8Config,
     "compressed-tensors": CompressedTensorsConfig,
+    "mxfp4": Mxfp4Config,  # gpt-oss's experts, dequantized at load
 }
 # vLLM names for the same formats served by other kernels: the format is what matters here.
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}

@@ -11,8 +11,8 @@ Activations: dynamic per-token scales, or the checkpoint's static per-tensor inp
 
 On CUDA with compute capability >= 8.9 the GEMM is torch._scaled_mm (row-wise scales) on the FP8 tensor
 cores, its activations quantized by one Triton kernel (kvserve/ops/fp8_quant.py), or already by the RMSNorm or
-SiLU*mul kernel that produced them (fused_input_quant: an Fp8Activation arrives instead of a tensor); up to
-triton_fp8_gemm.MAX_ROWS rows (decode) a Triton W8A16 kernel streams the e4m3 weight against unquantized
+SiLU*mul kernel that produced them (fused_input_quant: an Fp8Activation arrives instead of a tensor); at
+decode's few rows (fp8_matmul.py's table) a Triton W8A16 kernel streams the e4m3 weight against unquantized
 activations instead (a static input scale is then unused). Elsewhere (CPU, and older GPUs, where this is logged once) the reference path dequantizes the
 weight and multiplies in the activation dtype: weight-only FP8, activations are not quantized.
 """
@@ -168,9 +168,9 @@ class Fp8LinearMethod(LinearMethodBase):
     def takes_fp8_input(self, layer, num_rows: int) -> bool:
         """Whether apply() would quantize an input of num_rows rows per token for torch._scaled_mm (by shape
         only, as apply chooses): then the kernel producing that input may hand over an Fp8Activation."""
-        from kvserve.model.quantization import triton_fp8_gemm
+        from kvserve.model.quantization.fp8_matmul import fp8_path
 
-        return getattr(layer, "fp8_gemm", False) and num_rows > triton_fp8_gemm.MAX_ROWS
+        return getattr(layer, "fp8_gemm", False) and fp8_path(num_rows).kernel == "scaled_mm"
 
     def apply(self, layer, x, bias=None):
         from kvserve.ops import fp8_quant
@@ -180,13 +180,14 @@ class Fp8LinearMethod(LinearMethodBase):
             return out if bias is None else out + bias
         if not getattr(layer, "fp8_gemm", False):
             return torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
-        from kvserve.model.quantization import triton_fp8_gemm
+        from kvserve.model.quantization.fp8_matmul import fp8_path, weight_streaming_matmul
 
         x2 = x.reshape(-1, x.shape[-1])
-        if not self.takes_fp8_input(layer, x2.shape[0]):
+        path = fp8_path(x2.shape[0])
+        if path.kernel != "scaled_mm":
             # Decode: bound by reading the weight; stream the e4m3 weight against unquantized activations
             # (chosen by shape only, so a captured CUDA graph always replays the same kernel).
-            out = triton_fp8_gemm.w8a16_gemm(x2, layer.weight, layer.weight_scale)
+            out = weight_streaming_matmul(x2, layer.weight, layer.weight_scale, path)
         else:
             # One Triton kernel: quantized rows and their scales (per token, or the static input scale).
             xq, x_scale = fp8_quant.quantize_per_token(x2, layer.input_scale if self.static_input else None)

@@ -1,17 +1,20 @@
 """Which kernel multiplies activations by packed int4/int8 weights, chosen from shapes alone (no host
-syncs, so the choice is fixed inside a CUDA graph). The whole rule lives here.
+syncs, so the choice is fixed inside a CUDA graph). The whole rule is INT_PATHS below, by rows M:
 
-* M <= SKINNY_MAX_M (decode): the split-K skinny kernel (triton_int_gemv.py), weight-read bound.
-* above it: dequantize W into a [K, N] scratch of x's dtype, then cuBLAS. Dequantizing costs
-  ~K*N*(bits/8 + 2) bytes of traffic, a few percent of a 256-row GEMM's time. Scratch: K * N * 2 bytes per
+* "skinny" (decode): the split-K skinny kernel (kvserve/ops/triton_int_gemv.py), weight-read bound.
+* "mma": the tensor-core GEMM that unpacks the weight in registers (kvserve/ops/triton_int_mma.py): reads
+  the packed weight once, K * N / 2 bytes at int4, where dequantize + cuBLAS moves ~4.5 bytes per weight.
+* "dequant": dequantize W into a [K, N] scratch of x's dtype (kvserve/ops/triton_int_dequant.py), then
+  cuBLAS: at prefill sizes the GEMM is compute bound and cuBLAS's tiles win. Scratch: K * N * 2 bytes per
   call for bf16 (gate_up of Llama-3.1-8B: 235 MB), returned to PyTorch's caching allocator right after the
-  matmul, so consecutive layers reuse it. (A fused dequantize-GEMM that never materialized W lost to it
-  2.6-4x at M = 64 on three of W1's four shapes and 5,217 vs 8,029 tok/s on W1, and was removed.)
-The thresholds and launch configurations come from benchmarks/sweep_int4_linear.py on the H200 (W1's four
-shapes, AWQ group 128) and benchmarks/gpu_quant.py's A/B rows (BENCHMARKS.md has the tables).
+  matmul, so consecutive layers reuse it.
+The buckets and launch configurations come from `benchmarks/ab_kernels.py --only int4` on the H200
+(Llama-3.1-8B's four linear shapes, AWQ group 128; it prints this table next to its measurements).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -30,8 +33,9 @@ PROGRAMS_PER_SM_M1 = 8
 MIN_K_TILES = 4
 
 
-def skinny_config(m: int, bits: int) -> tuple[int, int, int, int]:
-    block_n, block_k, warps, stages = SKINNY_M1_CONFIG if m == 1 else SKINNY_DOT_CONFIG
+def skinny_config(m: int, bits: int, config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """The skinny launch for m rows (tl.dot needs 16 words per K step: BLOCK_K at least 16 * PACK)."""
+    block_n, block_k, warps, stages = config or (SKINNY_M1_CONFIG if m == 1 else SKINNY_DOT_CONFIG)
     pack = 32 // bits
     return block_n, max(block_k, 16 * pack) if m > 1 else block_k, warps, stages
 
@@ -43,16 +47,59 @@ def skinny_split_k(n: int, k: int, device: torch.device, config: tuple[int, int,
     return max(1, min(want, k // (MIN_K_TILES * block_k)))
 
 
+class IntPath(NamedTuple):
+    max_rows: int  # serves M up to this (and above the previous entry's)
+    kernel: str  # "skinny", "mma" or "dequant"
+    config: tuple | None  # the kernel's launch configuration; dequant: none
+
+
+# The tensor-core GEMM's launch by row bucket (the smallest key >= M): (BLOCK_N, BLOCK_M, BLOCK_K, num_warps,
+# num_stages). BLOCK_N takes the MMA's M side (64 per warpgroup), BLOCK_M the rows.
+MMA_CONFIGS = {
+    16: (128, 16, 64, 4, 4),
+    32: (128, 32, 64, 4, 4),
+    64: (128, 64, 64, 4, 4),
+    128: (128, 128, 64, 8, 3),
+    256: (128, 128, 64, 8, 3),
+}
+
+
+def mma_config(m: int) -> tuple[int, int, int, int, int]:
+    return MMA_CONFIGS[min((b for b in MMA_CONFIGS if b >= m), default=max(MMA_CONFIGS))]
+
+
+# A bucket switches to IntPath(rows, "mma", mma_config(rows)) only where `benchmarks/ab_kernels.py --only int4`
+# shows the mma kernel faster on the H200 over the four shapes; until then the earlier kernels serve.
+INT_PATHS: tuple[IntPath, ...] = (
+    IntPath(1, "skinny", SKINNY_M1_CONFIG),
+    IntPath(SKINNY_MAX_M, "skinny", SKINNY_DOT_CONFIG),
+    IntPath(32, "dequant", None),
+    IntPath(64, "dequant", None),
+    IntPath(128, "dequant", None),
+    IntPath(256, "dequant", None),
+    IntPath(1 << 62, "dequant", None),
+)
+
+
+def int_path(m: int) -> IntPath:
+    return next(p for p in INT_PATHS if m <= p.max_rows)
+
+
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
     """x [M, K] @ dequant(qweight) [K, N] -> [M, N] in x's dtype."""
     m, k = x.shape
-    if m <= SKINNY_MAX_M:
-        from kvserve.model.quantization.triton_int_gemv import skinny_int_gemm
+    path = int_path(m)
+    if path.kernel == "skinny":
+        from kvserve.ops.triton_int_gemv import skinny_int_gemm
 
-        config = skinny_config(m, bits)
+        config = skinny_config(m, bits, path.config)
         split = skinny_split_k(qweight.shape[1], k, x.device, config, m)
         return skinny_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, split, config)
-    from kvserve.model.quantization.triton_int_dequant import dequantize_int
+    if path.kernel == "mma":
+        from kvserve.ops.triton_int_mma import mma_int_gemm
+
+        return mma_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, path.config)
+    from kvserve.ops.triton_int_dequant import dequantize_int
 
     return torch.matmul(x, dequantize_int(qweight, scales, zeros, g_idx, bits, group_size, x.dtype))

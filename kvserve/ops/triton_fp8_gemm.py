@@ -54,9 +54,7 @@ def _w8a16_kernel(
     tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Rows up to which Fp8LinearMethod takes this path instead of quantize + torch._scaled_mm.
-MAX_ROWS = 16
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is 16 (tl.dot's minimum) up to MAX_ROWS.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M follows the rows, 16 (tl.dot's minimum) to 64.
 # Measured on the H200 (benchmarks/sweep_fp8_linear.py, 7 configs x W1's 4 shapes x M 1 and 16): this one
 # was best or within 5% of the best everywhere; the first guess (16, 512, 4, 4) was 1.2-1.8x slower.
 CONFIG = (32, 256, 4, 4)

@@ -1,4 +1,5 @@
-"""Split-K skinny GEMM (decode, M <= 16) for packed int4/int8 weights (the served layout of int_weights.py).
+"""Split-K skinny GEMM (decode, M <= 16) for packed int4/int8 weights (the served layout of
+kvserve/model/quantization/int_weights.py).
 
 Decode is weight-read bound: the kernel reads each packed int32 word exactly once, dequantizes it in
 registers with its group's scale and zero, and accumulates in fp32. N / BLOCK_N column tiles alone leave
@@ -12,11 +13,7 @@ shift and a mask in the packed tile's own layout, and x is read at the matching 
 to float conversion uses the 2**23 trick: the bits of q | 0x4B000000 are the float 2**23 + q, so
 q - z is one subtraction of (z + 2**23), exact.
 
-Split-K partials meet in a per-device fp32 workspace by atomic adds; a per-tile counter tells the
-last program of a tile, which reads the sum, writes the output in its dtype, and zeroes its part of
-the workspace and its counter for the next call. One launch, no memset, no cast
-kernel, no host sync: CUDA-graph capturable. The workspace is shared by all layers of a device
-(kernels of one stream run one after the other).
+Split-K partials meet in one launch (split_k_atomic.py): CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -25,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+from kvserve.ops.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
 from kvserve.ops.split_k import split_in_tiles
+from kvserve.ops.split_k_atomic import store_tile, workspace
 
 
 @triton.jit
@@ -83,45 +81,11 @@ def _skinny_kernel(
         part = acc
     out_ok = m_ok[:, None] & n_ok[None, :]
     out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if SPLIT:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(ws, part, mask=out_ok, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial is in before the tile's counter moves
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == split_k - 1:  # the tile's last program: the others' partials are all in
-            # Read through L2 (an atomic, not a possibly stale L1 line), then clean up for the next call.
-            total = tl.atomic_add(ws, tl.zeros_like(part), mask=out_ok, sem="relaxed")
-            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.store(ws, tl.zeros_like(part), mask=out_ok)
-            tl.store(cnt_ptr + pid_n, 0)
-    else:
-        tl.store(out_ptr + out_off, part.to(out_ptr.dtype.element_ty), mask=out_ok)
+    store_tile(part, out_ptr, out_off, ws_ptr, offs_m[:, None] * N + offs_n[None, :], out_ok, cnt_ptr, pid_n,
+               split_k, SPLIT)
 
 
 MAX_ROWS = 16
-# Workspace per device: M * N fp32 of one call and one counter per column tile, kept zero between
-# calls. Made at the first call (eager: CUDA-graph warm-up runs before capture) at this size; a call
-# needing more while a graph is being captured runs unsplit instead of allocating.
-_WS_MIN_FLOATS = MAX_ROWS * 65536
-_WS_MIN_COUNTERS = 4096
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # grown-out-of buffers a captured graph may still use
-
-
-def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    ws = _workspaces.get(device)
-    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if ws is not None:
-        _retired.append(ws)
-    ws = (torch.zeros(max(floats, _WS_MIN_FLOATS), dtype=torch.float32, device=device),
-          torch.zeros(max(counters, _WS_MIN_COUNTERS), dtype=torch.int32, device=device))
-    _workspaces[device] = ws
-    return ws
-
-
 def skinny_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     g_idx: torch.Tensor | None, bits: int, group_size: int, split_k: int,
                     config: tuple[int, int, int, int]) -> torch.Tensor:
@@ -134,7 +98,7 @@ def skinny_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     block_n, block_k, warps, stages = config
     split_k, k_per_split = split_in_tiles(k, split_k, block_k)
     tiles = triton.cdiv(n, block_n)
-    ws = _workspace(x.device, m * n, tiles) if split_k > 1 else None
+    ws = workspace(x.device, m * n, tiles) if split_k > 1 else None
     if split_k > 1 and ws is None:
         k_per_split, split_k = k, 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -1,7 +1,7 @@
-"""Dequantize packed int4/int8 weights (the served layout of int_weights.py) into a dense [K, N] matrix with
-one Triton kernel, for large-M (prefill) matmuls: there the GEMM is compute bound, so writing W once in
-bf16 (~0.1 ms for 4096 x 14336) and letting cuBLAS multiply costs far less than a dequantize-GEMM that is
-slower than cuBLAS at every tile.
+"""Dequantize packed int4/int8 weights (the served layout of kvserve/model/quantization/int_weights.py)
+into a dense [K, N] matrix with one Triton kernel, for large-M (prefill) matmuls: there the GEMM is compute
+bound, so writing W once in bf16 (~0.1 ms for 4096 x 14336) and letting cuBLAS multiply costs far less than
+a dequantize-GEMM that is slower than cuBLAS at every tile.
 
 Each program reads a [BLOCK_K / PACK, BLOCK_N] tile of packed words once and writes its PACK fields as
 rows k = word * PACK + field, (q - z) * s computed in fp32 and rounded to the output dtype, exactly as
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.quantization.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
+from kvserve.ops.triton_int_groups import group_scales_zeros, tile_group_scales_zeros
 
 # (BLOCK_K, BLOCK_N, num_warps): 16 int4 words x 128 columns per program, 8 KiB read, 32 KiB written.
 DEQUANT_CONFIG = (128, 128, 4)

@@ -1,0 +1,207 @@
+"""Host time per decode step, two trees in one command: the scheduler, the step message, the worker's input
+batch and the update, for 256 running decode requests, with the model's forward replaced by zeros.
+
+    PYTHONPATH=$PWD python benchmarks/host_step_ab.py [--old a34d16e] [--rounds 5] [--steps 64] [--profile]
+
+The old tree is checked out with `git worktree add /tmp/old-<commit> <commit>` (once; reused after). Each
+round runs one subprocess per tree, alternating old/new so load drift on a shared machine hits both, with
+PYTHONPATH set to that tree. A child builds a 2-layer, hidden-64 Llama (dummy weights), adds 256 requests,
+runs their prefill, then times `--steps` decode steps of engine.step(). The forward and the logits are
+zeros, so the step is host work only: schedule (with the step message) / launch (the worker's input batch
+and layout, tensors, greedy sampling of 256 rows) / wait / update, and the rest (output processing). Every number is main-thread CPU time per
+step (the machine's other load does not inflate it), best over rounds; the parts exclude garbage collection, which
+has its own row (step_no_gc = step - gc); "calls" is the Python function calls
+per step under cProfile, which is exact and load-free. --profile prints each tree's top functions.
+Async scheduling is on, as on CUDA. Only APIs present at a34d16e are used, so one file measures both trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+PARTS = ("schedule", "launch", "wait", "update")
+_gc_cpu = [0.0]  # CPU time spent in the garbage collector so far (every generation)
+
+
+def _count_gc() -> None:
+    import gc
+
+    start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            start[0] = time.thread_time()
+        else:
+            _gc_cpu[0] += time.thread_time() - start[0]
+    gc.callbacks.append(on_gc)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- child: one tree, one engine -------------------------------------------------------------------
+def _timed_parts(engine, totals: dict) -> None:
+    """Wraps schedule / execute_async / PendingOutput.result / update to add their CPU time to totals, less
+    the garbage collections that ran inside them (counted apart: a collection lands wherever it falls)."""
+    from kvserve.worker.runner_output import PendingOutput
+
+    def wrap(name, fn):
+        def timed(*a, **kw):
+            c, g = time.thread_time(), _gc_cpu[0]
+            r = fn(*a, **kw)
+            totals[name] += time.thread_time() - c - (_gc_cpu[0] - g)
+            return r
+        return timed
+
+    sched, executor = engine.scheduler, engine.executor
+    sched.schedule = wrap("schedule", sched.schedule)
+    executor.execute_async = wrap("launch", executor.execute_async)
+    sched.update = wrap("update", sched.update)
+    PendingOutput.result = wrap("wait", PendingOutput.result)
+
+
+def _fake_model(model) -> None:
+    """The forward returns zero hidden states (one row per token) and the logits are zeros: no compute, the
+    same shapes downstream (greedy sampling then picks token 0, harmless under ignore_eos)."""
+    import torch
+
+    hidden_size, vocab_size = TINY_CONFIG["hidden_size"], TINY_CONFIG["vocab_size"]
+
+    def forward(input_ids, *a, **kw):
+        return torch.zeros(input_ids.shape[0], hidden_size, dtype=torch.float32, device=input_ids.device)
+
+    def compute_logits(hidden):
+        return torch.zeros(hidden.shape[0], vocab_size, dtype=torch.float32, device=hidden.device)
+    model.forward = forward  # nn.Module.__call__ finds the instance attribute
+    model.compute_logits = compute_logits
+
+
+def child(num_reqs: int, steps: int, profile: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    import kvserve
+    from kvserve import LLM, SamplingParams
+    from kvserve.sampling_params import RequestOutputKind
+
+    path = tempfile.mkdtemp(prefix="kvserve-host-ab-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_CONFIG, f)
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
+              max_model_len=max(1024, 3 * steps + 128), max_num_seqs=num_reqs, max_num_batched_tokens=8192,
+              kv_cache_memory_bytes=num_reqs * (3 * steps + 128) * 1024 + (64 << 20), async_scheduling=True)
+    engine = llm.llm_engine
+    _fake_model(engine.runner.model)
+    totals = dict.fromkeys(PARTS, 0.0)
+    _timed_parts(engine, totals)
+    _count_gc()
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    for i in range(num_reqs):
+        ids = [rng.randint(3, TINY_CONFIG["vocab_size"] - 1) for _ in range(32)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+    for _ in range(4):  # warm: every request decoding, the pipeline full
+        engine.step()
+    assert len(sched.running) == num_reqs, f"{len(sched.running)} running, expected {num_reqs}"
+    for k in totals:
+        totals[k] = 0.0
+    c, g = time.thread_time(), _gc_cpu[0]
+    for _ in range(steps):
+        engine.step()
+    cpu, gc_cpu = time.thread_time() - c, _gc_cpu[0] - g
+    res = {"kvserve": os.path.dirname(kvserve.__file__), "step": cpu / steps, "gc": gc_cpu / steps,
+           **{k: v / steps for k, v in totals.items()}}
+    res["step_no_gc"] = res["step"] - res["gc"]
+    res["rest"] = res["step_no_gc"] - sum(res[k] for k in PARTS)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    res["calls"] = pstats.Stats(prof).total_calls / steps
+    if profile:
+        s = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(40)
+        res["profile"] = s.getvalue()
+    assert len(sched.running) == num_reqs
+    return res
+
+
+# ---- parent: both trees, alternating ---------------------------------------------------------------
+def old_tree(commit: str) -> str:
+    path = f"/tmp/old-{commit}"
+    if not os.path.isdir(os.path.join(path, "kvserve")):
+        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", path, commit], check=True)
+    return path
+
+
+def run_child(tree: str, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--num-reqs", str(args.num_reqs),
+           "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
+    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"child in {tree} failed:\n{out.stderr[-4000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert os.path.realpath(res["kvserve"]).startswith(os.path.realpath(tree)), (res["kvserve"], tree)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", default="a34d16e", help="the commit to compare against")
+    ap.add_argument("--new", default=REPO, help="the new tree's path (default: this checkout)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--num-reqs", type=int, default=256)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.num_reqs, args.steps, args.profile)))
+        return
+    trees = {"old": old_tree(args.old), "new": args.new}
+    runs = {"old": [], "new": []}
+    for i in range(args.rounds):
+        for name in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            runs[name].append(run_child(trees[name], args))
+            print(f"round {i + 1} {name}: {runs[name][-1]['step'] * 1e3:.3f} ms/step", file=sys.stderr, flush=True)
+    if args.profile:
+        for name in ("old", "new"):
+            print(f"==== {name} ({trees[name]}), top by tottime, then cumulative ====\n{runs[name][-1]['profile']}")
+    rows = ("step", "step_no_gc", *PARTS, "rest", "gc")
+    best = {name: {k: min(r[k] for r in rs) for k in (*rows, "calls")} for name, rs in runs.items()}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "host_step_ab.json"), "w") as f:
+            json.dump({"trees": trees, "runs": runs, "best": best}, f, indent=1)
+    print(f"\n{args.num_reqs} decode requests, forward faked; main-thread CPU ms per step, best of {args.rounds} "
+          f"rounds of {args.steps} steps; old = {args.old} ({trees['old']}), new = {trees['new']}")
+    print("| part | old | new | new / old |\n|---|---|---|---|")
+    for k in rows:
+        o, n = best["old"][k], best["new"][k]
+        print(f"| {k} | {o * 1e3:.3f} | {n * 1e3:.3f} | {n / o if o else float('nan'):.3f} |")
+    o, n = best["old"]["calls"], best["new"]["calls"]
+    print(f"| Python calls per step | {o:.0f} | {n:.0f} | {n / o:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
