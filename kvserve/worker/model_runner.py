@@ -3,6 +3,7 @@ with drafts to verify, the accepted drafts plus one)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -364,9 +365,12 @@ class ModelRunner:
                 self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
+        # The draft runner reads the target's states and then the step's tokens.
+        observe = functools.partial(self.draft_runner.observe, batch, layout, inputs, meta, aux) \
+            if aux is not None else None
 
         def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
-            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs)
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe)
 
         if msg.grammar_bitmask_deferred:
             handle = DeferredOutput()
@@ -375,7 +379,7 @@ class ModelRunner:
         return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
 
     def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
-                prompt_logprobs: dict) -> PendingOutput:
+                prompt_logprobs: dict, observe=None) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
@@ -386,11 +390,11 @@ class ModelRunner:
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
-            if aux is not None:
-                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampler_out.sampled)
+            if observe is not None:
+                observe(sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
-        if aux is not None:
-            self.draft_runner.observe(batch, layout, inputs, meta, aux, verified.row_token_ids)
+        if observe is not None:
+            observe(verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)
