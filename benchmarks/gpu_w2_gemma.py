@@ -4,7 +4,9 @@
     PYTHONUNBUFFERED=1 python benchmarks/gpu_w2_gemma.py [--out DIR] [--quick]
 
 1. kernels: the windowed / soft-capped Triton attention against the dense definition and the torch
-   backend (pytest tests/kernels/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests included).
+   backend (pytest tests/kernels/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests
+   included), and the KV cache groups end to end (tests/engine/test_gpu_hybrid_kv.py: a Gemma-3-shaped
+   model vs HF, CUDA graphs == eager, preemption by swap and recompute == none).
 2. parity: a tiny random Gemma 2 and Gemma 3 (windows shorter than the prompts), fp32 on the GPU:
    the triton backend gives the torch backend's greedy tokens.
 3. W2: seconds, output tok/s and total tok/s, with the KV cache size and preemptions.
@@ -28,7 +30,8 @@ import torch
 
 def kernel_tests() -> str:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/kernels/test_triton_attention_window.py"], capture_output=True, text=True, check=False)
+                           "tests/kernels/test_triton_attention_window.py", "tests/engine/test_gpu_hybrid_kv.py"],
+                          capture_output=True, text=True, check=False)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     print("\n".join(lines[-15:]))
     return lines[-1] if lines else f"rc {proc.returncode}"
@@ -76,6 +79,7 @@ def tiny_parity() -> dict:
 def run_w2(quick: bool, max_num_batched_tokens: int) -> dict:
     from kvserve import LLM, SamplingParams
     from kvserve.bench.datasets import W2_MAX_MODEL_LEN, w2_requests, write_w2_config
+    from kvserve.sizing import memory_plan
 
     reqs = w2_requests(16 if quick else None)
     path = write_w2_config()
@@ -99,7 +103,10 @@ def run_w2(quick: bool, max_num_batched_tokens: int) -> dict:
     return {
         "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 2),
         "output_tok_s": round(n_out / seconds, 1), "total_tok_s": round((n_in + n_out) / seconds, 1),
-        "kv_cache_tokens": engine.num_kv_blocks * engine.config.args.block_size,
+        "kv_cache_groups": len(engine.kv_cache_manager.groups),
+        "kv_blocks": engine.num_kv_blocks,
+        "kv_cache_tokens": memory_plan.kv_cache_tokens(engine.num_kv_blocks, engine.config.args.block_size,
+                                                       engine.kv_cache_manager.group_windows, max_num_batched_tokens),
         "preemptions": stats.num_preemptions, "init_s": round(init_s, 1),
         "max_num_batched_tokens": max_num_batched_tokens,
     }
@@ -131,7 +138,9 @@ def main():
     print(f"| seconds | {w2['seconds']} |")
     print(f"| output tok/s | {w2['output_tok_s']:,} |")
     print(f"| total (prompt + output) tok/s | {w2['total_tok_s']:,} |")
-    print(f"| KV cache tokens / preemptions | {w2['kv_cache_tokens']:,} / {w2['preemptions']} |")
+    print(f"| KV cache groups / blocks / longest request (tokens) | {w2['kv_cache_groups']} / {w2['kv_blocks']:,} / "
+          f"{w2['kv_cache_tokens']:,} |")
+    print(f"| preemptions | {w2['preemptions']} |")
 
 
 if __name__ == "__main__":

@@ -285,9 +285,12 @@ def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: i
         from kvserve.model.eagle3 import Eagle3Config
 
         try:
-            cfg = Eagle3Config.from_hf_dict(load_hf_config_dict(path), target).layer
+            head = Eagle3Config.from_hf_dict(load_hf_config_dict(path), target)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {spec.model}: {e}.") from None
+        # What the memory plan sizes: its one layer, and an LM head over its reduced vocabulary (the token
+        # embedding is the target's).
+        cfg = dataclasses.replace(head.layer, vocab_size=head.draft_vocab_size, tie_word_embeddings=True)
     else:
         cfg = ModelConfig.from_path(path, trust_remote_code=args.trust_remote_code)
         if cfg.vocab_size != target.vocab_size:
@@ -303,6 +306,12 @@ def _resolve_draft_model(args: EngineArgs, target: ModelConfig, max_model_len: i
     if args.pipeline_parallel_size > 1:
         raise ValueError(f"--speculative-config: a {what.lower()} runs with --pipeline-parallel-size 1 only; use "
                          f"tensor parallelism, or \"method\": \"ngram\".")
+    # Its K/V lives in the blocks of the target's first block table: only one that keeps every block will do.
+    for model, groups in (("target", target.kv_cache_groups), (what.lower(), cfg.kv_cache_groups)):
+        if len(groups) > 1 or groups[0].window is not None:
+            raise ValueError(f"--speculative-config: a {what.lower()} with a {model} whose KV cache frees blocks "
+                             f"behind a sliding window (windowed or interleaved layers) is not supported yet; use "
+                             f"\"method\": \"ngram\".")
     misfit = _tensor_parallel_misfit(cfg, args.tensor_parallel_size)
     if misfit:
         raise ValueError(f"--speculative-config: the {what.lower()} is split like the target, and cannot be: "

@@ -81,6 +81,12 @@ def _tiny_config(arch: str):
                                           attention_multiplier=0.09, logits_scaling=4.0)
     if arch == "olmo2":
         return transformers.Olmo2Config(**{**common, "num_hidden_layers": 3})
+    if arch == "cohere":  # Command-R+: q/k norm per head; a logit scale
+        return transformers.CohereConfig(**{**common, "tie_word_embeddings": True}, use_qk_norm=True, logit_scale=0.25)
+    if arch == "cohere2":  # Command R7B: 3 windowed layers (rotary) to 1 full layer (no position encoding)
+        return transformers.Cohere2Config(
+            **{**common, "num_hidden_layers": 4, "tie_word_embeddings": True}, sliding_window=WINDOW, logit_scale=0.25,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"])
     raise ValueError(arch)
 
 

@@ -47,7 +47,8 @@ class ScheduledRequest:
     # samples, then the draft tokens offered for verification (spec_token_ids).
     token_ids: list[int]
     start_pos: int  # position of token_ids[0] == tokens already in the cache
-    new_block_ids: list[int]  # appended to the request's block table (its whole table when is_new)
+    # Appended to the request's block tables, one list per KV cache group (its whole tables when is_new).
+    new_block_ids: tuple[list[int], ...]
     is_new: bool  # first step since admission/resumption: the runner starts a fresh block table
     needs_sample: bool  # this step reaches the end of the known tokens
     output_len: int  # output tokens so far, counting those in flight
@@ -64,7 +65,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: Any
     output_token_ids: list[int]  # outputs known so far (a resumed request has some)
-    block_ids: list[int]  # its whole block table
+    block_ids: tuple[list[int], ...]  # its whole block tables, one per KV cache group
     num_computed_tokens: int  # where this step's chunk starts
     adapter_id: int | None = None  # slot for LoRA: the adapter the request runs with (none yet)
 
@@ -75,7 +76,7 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)  # output ids sampled since the last message
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # appended to each group's table
     num_computed_tokens: list[int] = field(default_factory=list)  # where this step's chunk starts
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import GroupBlockIds, KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import RequestQueue
+from kvserve.request_limits import check_prompt_length
 from kvserve.core.sched_output import (  # the step's types, also imported from here by the scheduler's users
     ONE_PLACEHOLDER,
     PLACEHOLDER_TOKEN_ID,
@@ -87,24 +88,23 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
-        """Reject prompts that could never run instead of letting them wait forever."""
+        """Reject prompts that could never run instead of letting them wait forever: longer than the context
+        (the request validator's check), the step budget without chunking, or the KV cache."""
         cfg = self.config
-        if num_prompt_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"The prompt (length {num_prompt_tokens}) is longer than the maximum model length "
-                f"of {cfg.max_model_len} (max_model_len). Shorten the prompt or raise --max-model-len."
-            )
+        check_prompt_length(num_prompt_tokens, cfg.max_model_len)
         if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"The prompt (length {num_prompt_tokens}) exceeds max_num_batched_tokens "
                 f"({cfg.max_num_batched_tokens}) and chunked prefill is off. Enable chunked prefill or "
                 f"raise --max-num-batched-tokens."
             )
-        total_tokens = self.kv.num_blocks * self.kv.block_size
-        if num_prompt_tokens > total_tokens:
+        first_chunk = min(num_prompt_tokens, cfg.max_num_batched_tokens) if cfg.enable_chunked_prefill else num_prompt_tokens
+        needed = self.kv.blocks_needed(num_prompt_tokens, first_chunk)
+        if needed > self.kv.num_blocks:
             raise ValueError(
-                f"The prompt (length {num_prompt_tokens}) can never fit in the KV cache "
-                f"({total_tokens} tokens in all). Give the KV cache more memory or shorten the prompt."
+                f"The prompt (length {num_prompt_tokens}) can never fit in the KV cache: it needs {needed} "
+                f"blocks of {self.kv.block_size} tokens and the cache has {self.kv.num_blocks}. Give the KV "
+                f"cache more memory or shorten the prompt."
             )
 
     def add_request(self, request: Request) -> None:
@@ -255,7 +255,7 @@ class Scheduler:
         blocks = self.kv.shared_blocks(src.request_id, num_blocks)
         return None if blocks is None else (blocks, num_blocks * bs)
 
-    def _scheduled(self, req: Request, num_new: int, new_block_ids: list[int], is_new: bool,
+    def _scheduled(self, req: Request, num_new: int, new_block_ids: GroupBlockIds, is_new: bool,
                    drafts: list[int] = ()) -> ScheduledRequest:
         """The step's view of `req`; its computed count (and pending count, if it samples) advance now.
         `drafts` are computed after the known tokens (only a chunk that reaches them has any)."""

@@ -39,6 +39,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import PING, STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
 from kvserve.inputs import parse_prompt
+from kvserve.request_limits import ValidatedPrompt
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -318,11 +319,15 @@ class AsyncEngine:
         streams, commands = [], []
         group = ids[0]  # the batch is one API request: its sequences take one turn in admission
         for rid, (_, prompt, params) in zip(ids, items):
-            # Tokenized here, not on the engine thread, so a long prompt never delays a step.
-            text, token_ids = parse_prompt(prompt, self.tokenizer)
+            if not isinstance(prompt, ValidatedPrompt):  # the server's prompts come parsed and validated
+                # Tokenized here, not on the engine thread, so a long prompt never delays a step.
+                text, token_ids = parse_prompt(prompt, self.tokenizer)
+                prompt = {"prompt": text, "prompt_token_ids": token_ids}
+            else:
+                text, token_ids = prompt.text, prompt.token_ids
             stream = RequestStream(rid, params.output_kind, time.time(), text, token_ids, params.n)
             streams.append(stream)
-            commands.append(("add", rid, {"prompt": text, "prompt_token_ids": token_ids}, params, group))
+            commands.append(("add", rid, prompt, params, group))
         for stream in streams:
             self._streams[stream.request_id] = stream
         for command in commands:

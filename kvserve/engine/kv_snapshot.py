@@ -74,7 +74,7 @@ def request_rows(scheduler, kv_manager, max_rows: int = MAX_REQUESTS) -> list[di
                 "prompt_tokens": req.num_prompt_tokens,
                 "generated_tokens": req.num_output_tokens,
                 "computed_tokens": req.num_computed_tokens,
-                "blocks": len(kv_manager.req_to_blocks.get(req.request_id, ())),
+                "blocks": kv_manager.num_blocks_held(req),
                 "prefix_hit_tokens": max(req.num_cached_tokens, 0),
                 "preemptions": req.num_preemptions,
             })

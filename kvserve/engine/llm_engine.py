@@ -25,6 +25,7 @@ from kvserve.engine.preemption_log import PreemptionLog
 from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.executor.abstract import Executor
 from kvserve.inputs import parse_prompt
+from kvserve.request_limits import RequestLimits, ValidatedPrompt, validate_request
 from kvserve.model.default_model import load_tokenizer
 from kvserve.model.generation_config import describe as describe_generation_defaults
 from kvserve.outputs import RequestOutput
@@ -68,6 +69,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.config = config = args.create_engine_config()
+        self.request_limits = RequestLimits.from_config(config)
         torch.manual_seed(args.seed)
         # The tokenizer loads on a thread while the model loads (a large tokenizer.json takes seconds).
         tokenizer_future = None if args.skip_tokenizer_init else in_background(load_tokenizer, config.tokenizer_path)
@@ -88,7 +90,7 @@ class LLMEngine:
 
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_cpu_blocks=swap.pop("num_cpu_blocks"),
-                                               sliding_window=config.model_config.kv_cache_window)
+                                               group_windows=config.model_config.kv_cache_group_windows)
         self.tokenizer = None if tokenizer_future is None else tokenizer_future.result()
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None and config.model_config.eos_token_ids:
@@ -183,14 +185,11 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = parse_prompt(prompt, self.tokenizer)
-        if not token_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-        vocab = self.config.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
-        self.scheduler.check_fits(len(token_ids))  # the prompt-length limits, checked in one place
+        if not isinstance(prompt, ValidatedPrompt):  # the server validated its requests already
+            text, token_ids = parse_prompt(prompt, self.tokenizer)
+            prompt = validate_request(text, token_ids, params, self.request_limits)
+        text, token_ids = prompt.text, prompt.token_ids
+        self.scheduler.check_fits(len(token_ids))  # what this engine's budget and KV cache can ever run
         self._resolve_params(params)
         if params.structured_outputs is not None and self.structured_output is None:
             raise ValueError("structured_outputs need a tokenizer; skip_tokenizer_init is set.")
@@ -233,8 +232,6 @@ class LLMEngine:
             raise ValueError("stop strings and bad_words need a tokenizer; skip_tokenizer_init is set.")
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
-        args = self.config.args
-        params.verify_for_model(self.config.model_config.vocab_size, args.max_logprobs, args.max_n)
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -410,7 +407,9 @@ class LLMEngine:
         asynchronous."""
         if self.proposer is None:
             return False
-        return self.drafter is None or self.drafter.decide(len(self.scheduler.running)).num_draft_tokens > 0
+        # The batch this step will run: the running requests and those it may admit.
+        batch = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.args.max_num_seqs)
+        return self.drafter is None or self.drafter.decide(batch).num_draft_tokens > 0
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Speculative decoding with `proposer`'s drafts (None: off). Steps then run one at a time: a

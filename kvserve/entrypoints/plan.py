@@ -118,6 +118,14 @@ def format_plan(plan: memory_plan.MemoryPlan, verdict: memory_plan.Verdict, mode
                      + (", whole experts per GPU (expert parallel)" if p.enable_expert_parallel else "")
                      + f"; {cfg.num_params() / 1e9:.2f} B parameters, {cfg.num_active_params() / 1e9:.2f} B "
                        f"active per token")
+    groups = cfg.kv_cache_groups
+    if len(groups) > 1 or groups[0].window is not None:
+        counts: dict = {}
+        for g in groups:
+            counts[g.window] = counts.get(g.window, 0) + 1
+        kinds = [f"{n} {'full' if w is None else f'windowed ({w} tokens)'}" for w, n in counts.items()]
+        lines.append(f"KV cache groups: {', '.join(kinds)}, up to {max(len(g.layers) for g in groups)} layers each "
+                     f"(a block holds one group's layers; a windowed group frees blocks behind its window)")
     draft = p.draft_model_config
     if draft is not None:
         first = plan.ranks[0]

@@ -54,6 +54,9 @@ FIELDS: dict[str, tuple[Rule, bool]] = {
     "vocab_size": (POSITIVE_INT, REQUIRED),
     "max_position_embeddings": (POSITIVE_INT, OPTIONAL),
     "rms_norm_eps": (POSITIVE_NUMBER, OPTIONAL),
+    "layer_norm_eps": (POSITIVE_NUMBER, OPTIONAL),  # Cohere
+    "logit_scale": (POSITIVE_NUMBER, OPTIONAL),  # Cohere
+    "use_qk_norm": (BOOL, OPTIONAL),  # Cohere
     "rope_theta": (POSITIVE_NUMBER, OPTIONAL),
     "rope_scaling": (OBJECT, OPTIONAL),
     "rope_parameters": (OBJECT, OPTIONAL),

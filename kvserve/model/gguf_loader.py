@@ -1,7 +1,7 @@
 """Read GGUF checkpoints as an HF-style config dict and float32 weights under HF names.
 
 Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
-expert_count set), "qwen2", "qwen3", "qwen2moe" and "qwen3moe". A MoE layer's stacked expert tensors
+expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe" and "olmo2". A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
 so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
@@ -28,6 +28,8 @@ class _ArchSpec:
     model_type: str
     # llama.cpp's converter interleaves Q/K rows for llama-family rope; we must undo it.
     permute_qk: bool
+    # Layer tensors named otherwise than in the llama layout (_LAYER_TENSORS), GGUF name -> HF module.
+    layer_tensors: tuple[tuple[str, str], ...] = ()
 
 
 _ARCHS = {
@@ -36,6 +38,10 @@ _ARCHS = {
     "qwen3": _ArchSpec("Qwen3ForCausalLM", "qwen3", permute_qk=False),
     "qwen2moe": _ArchSpec("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
     "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
+    # OLMo 2: no pre-norms; each sublayer's output is normed (llama.cpp's post_attention_norm, post_ffw_norm).
+    "olmo2": _ArchSpec("Olmo2ForCausalLM", "olmo2", permute_qk=False,
+                       layer_tensors=(("post_attention_norm", "post_attention_layernorm"),
+                                      ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
 # llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
 _MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -212,14 +218,20 @@ def _moe_config(arch: str, arch_key, experts: int, intermediate_size: int) -> di
     return moe
 
 
-def gguf_to_hf_name(gguf_name: str) -> str:
+def layer_tensor_names(spec: _ArchSpec | None = None) -> dict[str, str]:
+    """GGUF layer tensor name -> HF module, for one architecture (default: the llama layout)."""
+    return {**_LAYER_TENSORS, **dict(spec.layer_tensors)} if spec is not None else _LAYER_TENSORS
+
+
+def gguf_to_hf_name(gguf_name: str, spec: _ArchSpec | None = None) -> str:
     """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its transformers name."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
+    layer_tensors = layer_tensor_names(spec)
     if len(parts) == 1 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{suffix}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known transformers equivalent")
 
 
@@ -256,7 +268,7 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _per_expert(stem, _dequantize_tensor(tensor))
             continue
         try:
-            hf_name = gguf_to_hf_name(tensor.name)
+            hf_name = gguf_to_hf_name(tensor.name, spec)
         except ValueError as e:
             raise ValueError(f"{_file_name(reader)}: {e}") from None
         weights = _dequantize_tensor(tensor)

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
+        # The KV cache group whose block tables this layer's K/V live in (AttentionMetadata.for_group).
+        self.kv_cache_group = next(
+            (g for g, group in enumerate(cfg.kv_cache_groups) if layer_idx in group.layers), 0)
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.attention_bias,
@@ -89,9 +92,9 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                                   sinks=self.sinks)
+        out = self.backend.forward(q, k, v, kv_cache, meta.for_group(self.kv_cache_group), self.scale,
+                                   k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
+                                   logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -261,6 +264,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head.compute_logits(hidden)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
+        if self.config.logit_scale != 1.0:  # Cohere
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from kvserve.model.config_schema import check_field_types, check_required_and_relations
 from kvserve.model.registry import ARCHITECTURES, MISSING, architecture_of, supported_names
 
@@ -81,6 +82,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    logit_scale: float = 1.0  # Cohere: logits * logit_scale
+    rope_windowed_layers_only: bool = False  # Cohere 2: full-attention layers have no position encoding
 
     @property
     def rotary_dim(self) -> int:
@@ -106,12 +109,14 @@ class ModelConfig:
         return any(w is not None for w in self.layer_windows)
 
     @property
-    def kv_cache_window(self) -> int | None:
-        """The window the KV cache may free blocks behind: set when every layer has the same window (one
-        block table serves all layers). Interleaved models (Gemma) keep every block: their full layers
-        need them."""
-        windows = set(self.layer_windows)
-        return windows.pop() if len(windows) == 1 else None
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        """The layers that share one block table per request (core/kv_cache_groups.py): one group where
+        every layer attends alike; full and windowed groups for interleaved models (Gemma)."""
+        return kv_cache_groups(self.layer_windows or [None] * self.num_hidden_layers)
+
+    @property
+    def kv_cache_group_windows(self) -> list[int | None]:
+        return [g.window for g in self.kv_cache_groups]
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, trust_remote_code: bool = False,
@@ -164,13 +169,14 @@ class ModelConfig:
                       else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6)),  # (Cohere: a LayerNorm's)
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or bool(arch == "CohereForCausalLM" and cfg.get("use_qk_norm")),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -183,6 +189,7 @@ class ModelConfig:
         return cls.from_hf_dict(load_hf_config_dict(model_path), trust_remote_code, config_source(model_path))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K/V bytes one token of context costs in every layer (a windowed layer's blocks are freed later)."""
         return self.num_hidden_layers * 2 * self.kv_cache_num_heads * self.kv_cache_head_dim * dtype_bytes
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -289,8 +296,8 @@ def _layer_windows(arch: str, cfg: dict) -> list[int | None]:
     types = cfg.get("layer_types")
     if types is None and arch == "Gemma2ForCausalLM":
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    elif types is None and arch == "Gemma3ForCausalLM":
-        pattern = cfg.get("sliding_window_pattern", 6)
+    elif types is None and arch in ("Gemma3ForCausalLM", "Cohere2ForCausalLM"):
+        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 4)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = cfg.get("max_window_layers", n)
@@ -328,6 +335,9 @@ def _family_fields(arch: str, cfg: dict) -> dict:
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             if cfg.get(name) is not None:
                 fields[name] = float(cfg[name])
+    if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
+        fields["logit_scale"] = float(cfg.get("logit_scale", 1.0))
+        fields["rope_windowed_layers_only"] = arch == "Cohere2ForCausalLM"
     if arch == "Gemma3ForCausalLM":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
         fields["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)

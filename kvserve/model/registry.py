@@ -36,6 +36,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Phi3ForCausalLM", "phi3", "kvserve.model.phi3:Phi3ForCausalLM"),
         Architecture("GraniteForCausalLM", "granite", "kvserve.model.granite:GraniteForCausalLM"),
         Architecture("Olmo2ForCausalLM", "olmo2", "kvserve.model.olmo2:Olmo2ForCausalLM"),
+        Architecture("CohereForCausalLM", "cohere", "kvserve.model.cohere:CohereForCausalLM"),
+        Architecture("Cohere2ForCausalLM", "cohere2", "kvserve.model.cohere:Cohere2ForCausalLM"),
     )
 }
 # Architectures people ask for that are not built yet: what each one lacks, for the refusal.

@@ -3,7 +3,7 @@ runner and passed down through the model: no global state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,16 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU side (the torch reference).
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    # Models with several KV cache groups (core/kv_cache_groups.py): the metadata of groups 1, 2, ...,
+    # equal to this one (group 0's) but for their block tables and slot mappings.
+    other_groups: tuple["AttentionMetadata", ...] = ()
+    # What a backend derives from this metadata once per step and reuses in every layer (the torch
+    # backend's plans, per window).
+    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of KV cache group `group` attends with."""
+        return self if group == 0 else self.other_groups[group - 1]
 
     @property
     def num_reqs(self) -> int:

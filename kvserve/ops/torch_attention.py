@@ -216,19 +216,12 @@ class StepPlan:
 
 
 class TorchAttentionBackend:
-    def __init__(self):
-        self._plans: dict[int | None, StepPlan] = {}
-        self._plan_meta: AttentionMetadata | None = None
-
     def plan(self, meta: AttentionMetadata, device: torch.device, sliding_window: int | None = None) -> StepPlan:
-        # The same metadata object reaches every layer of a step: plan on the first layer of each window
-        # size, reuse after.
-        if self._plan_meta is not meta:
-            self._plans = {}
-            self._plan_meta = meta
-        plan = self._plans.get(sliding_window)
+        # The same metadata object reaches every layer of a step (of a KV cache group): plan on the first
+        # layer of each window size, reuse after.
+        plan = meta.backend_cache.get(sliding_window)
         if plan is None:
-            plan = self._plans[sliding_window] = StepPlan(meta, device, sliding_window)
+            plan = meta.backend_cache[sliding_window] = StepPlan(meta, device, sliding_window)
         return plan
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,

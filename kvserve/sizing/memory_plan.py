@@ -13,6 +13,7 @@ import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from kvserve.core.kv_cache_groups import longest_request_tokens, num_kv_slots, request_blocks
 from kvserve.units import GiB, MiB, cdiv  # noqa: F401 - re-exported: plan and memory read them from here
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
@@ -62,6 +63,9 @@ class RankShape:
     moe_intermediate_size: int = 0  # per rank, of each local expert
     shared_expert_intermediate_size: int = 0  # per rank
     num_experts_per_tok: int = 0
+    # KV tensors of the stage (core/kv_cache_groups.py): one per layer, or per layer of a KV cache group
+    # when windowed and full layers interleave (0: one per layer).
+    kv_slots: int = 0
     # gpt-oss: biased router and experts, an o_proj bias and a float32 sink logit per head.
     moe_bias: bool = False
     shared_expert_gated: bool = True
@@ -136,9 +140,14 @@ def rank_shapes(cfg, tp: int = 1, pp: int = 1, expert_parallel: bool = False) ->
             mla=(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
             if getattr(cfg, "uses_mla", False) else None,
             **_moe_shape(cfg, tp, expert_parallel, first, n),
+            kv_slots=num_kv_slots(_layer_windows(cfg), range(first, first + n)),
         )
         for i, (first, n) in enumerate(_stage_layers(cfg.num_hidden_layers, pp))
     ]
+
+
+def _layer_windows(cfg) -> list[int | None]:
+    return list(getattr(cfg, "layer_windows", None) or [None] * cfg.num_hidden_layers)
 
 
 def draft_rank_shape(draft_cfg, tp: int = 1) -> RankShape:
@@ -238,7 +247,15 @@ def rotary_cache_bytes(head_dim: int, max_positions: int) -> int:
 
 
 def kv_bytes_per_token(shape: RankShape, kv_dtype_bytes: int) -> int:
-    return shape.num_layers * 2 * shape.num_kv_heads * (shape.kv_head_dim or shape.head_dim) * kv_dtype_bytes
+    """Bytes of one token position of one block, in every KV cache group alike: a block of a group holds
+    that group's layers, `kv_slots` of them on this stage (all the stage's layers for a model whose
+    layers attend alike)."""
+    return (shape.kv_slots or shape.num_layers) * 2 * shape.num_kv_heads * (shape.kv_head_dim or shape.head_dim) \
+        * kv_dtype_bytes
+
+
+def kv_bytes_per_block(shape: RankShape, kv_dtype_bytes: int, block_size: int) -> int:
+    return kv_bytes_per_token(shape, kv_dtype_bytes) * block_size
 
 
 def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int, block_size: int,
@@ -288,28 +305,33 @@ def kv_cache_bytes(budget: int, others: int, weights: int, activation_peak: int,
     return budget - others - weights - activation_peak - non_torch - graph_reserve
 
 
-def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_block: int) -> int:
+def cpu_kv_cache_bytes(max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_block: int,
+                       group_windows=(None,)) -> int:
     """On CPU there is no device memory to measure: a fixed budget (like vLLM's CPU KV space), capped at
     what max_num_seqs requests of max_model_len tokens could ever use."""
-    useful = max_num_seqs * cdiv(max_model_len, block_size) * bytes_per_block
+    useful = max_num_seqs * request_kv_blocks(max_model_len, block_size, group_windows) * bytes_per_block
     return min(DEFAULT_CPU_KV_CACHE_BYTES, useful)
 
 
-def request_kv_tokens(max_model_len: int, block_size: int, sliding_window: int | None = None,
+def request_kv_blocks(max_model_len: int, block_size: int, group_windows=(None,),
                       max_num_batched_tokens: int | None = None) -> int:
-    """The most KV tokens (whole blocks) one request holds at once: all of max_model_len, or, when every
-    layer has a sliding window (the KV cache frees blocks behind it), its window plus one step's chunk
-    plus a partly filled block at each end."""
-    full = cdiv(max_model_len, block_size) * block_size
-    if sliding_window is None:
-        return full
+    """The most blocks one request of max_model_len tokens holds at once, over every KV cache group: all
+    of its blocks in a full group; in a windowed one (which frees blocks behind its window) the window
+    plus one step's chunk plus a partly filled block at each end."""
     chunk = min(max_num_batched_tokens or max_model_len, max_model_len)
-    return min(full, (cdiv(sliding_window - 1 + chunk, block_size) + 1) * block_size)
+    return request_blocks(group_windows, max_model_len, chunk, block_size)
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None) -> float:
-    """Requests of max_model_len tokens the cache holds at once (decoding: a windowed one holds its window)."""
-    return num_blocks * block_size / request_kv_tokens(max_model_len, block_size, sliding_window, 1)
+def kv_cache_tokens(num_blocks: int, block_size: int, group_windows=(None,),
+                    max_num_batched_tokens: int | None = None) -> int:
+    """The context one request can reach in num_blocks blocks (every block's tokens when all layers
+    attend alike)."""
+    return longest_request_tokens(group_windows, num_blocks, max_num_batched_tokens or 1, block_size)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, group_windows=(None,)) -> float:
+    """Requests of max_model_len tokens the cache holds at once (decoding: a windowed group holds its window)."""
+    return num_blocks / request_kv_blocks(max_model_len, block_size, group_windows, 1)
 
 
 # ---- checkpoint sizes (exact, from headers only) -----------------------------------------------------
@@ -413,13 +435,19 @@ class MemoryPlan:
     weights_source: str  # "checkpoint" | "config"
 
     @property
+    def group_windows(self) -> list[int | None]:
+        return self.inputs.model_config.kv_cache_group_windows
+
+    @property
     def kv_tokens(self) -> int:
-        return max(self.num_blocks, 0) * self.inputs.block_size
+        """The longest context one request can have in this cache."""
+        p = self.inputs
+        return kv_cache_tokens(max(self.num_blocks, 0), p.block_size, self.group_windows, p.max_num_batched_tokens)
 
     @property
     def max_concurrency(self) -> float:
         return max_concurrency(max(self.num_blocks, 0), self.inputs.block_size, self.inputs.max_model_len,
-                               getattr(self.inputs.model_config, "kv_cache_window", None))
+                               self.group_windows)
 
     @property
     def weights_fit(self) -> bool:
@@ -428,9 +456,8 @@ class MemoryPlan:
     @property
     def length_fits(self) -> bool:
         p = self.inputs
-        return self.kv_tokens >= request_kv_tokens(p.max_model_len, p.block_size,
-                                                   getattr(p.model_config, "kv_cache_window", None),
-                                                   p.max_num_batched_tokens)
+        return self.num_blocks >= request_kv_blocks(p.max_model_len, p.block_size, self.group_windows,
+                                                    p.max_num_batched_tokens)
 
     def to_dict(self) -> dict:
         return {
@@ -438,6 +465,8 @@ class MemoryPlan:
             "budget_bytes": self.budget,
             "others_bytes": self.inputs.others_bytes,
             "kv_bytes_per_block": self.kv_bytes_per_block,
+            "kv_cache_groups": [{"window": g.window, "layers": len(g.layers)}
+                                for g in self.inputs.model_config.kv_cache_groups],
             "num_blocks": max(self.num_blocks, 0),
             "kv_tokens": self.kv_tokens,
             "max_concurrency": self.max_concurrency,
@@ -463,17 +492,22 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
             weights = p.checkpoint_weights
         else:
             weights = weight_bytes(shape, dtype_bytes, p.quantization)
-        weights += rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len) + draft_weights
+        # Gemma 3's windowed layers turn with a second table of their own.
+        rotary_tables = 2 if getattr(cfg, "rope_local_theta", None) is not None else 1
+        weights += rotary_tables * rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len)
+        weights += draft_weights
         per_token = kv_bytes_per_token(shape, kv_dtype) + draft_per_token
+        per_block = per_token * p.block_size
         activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,
                                            p.block_size, kv_dtype)
         graphs = cuda_graph_reserve_bytes(activation, p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager)
         if p.num_gpu_blocks_override is not None:
-            kv = p.num_gpu_blocks_override * per_token * p.block_size
+            kv = p.num_gpu_blocks_override * per_block
         elif p.kv_cache_memory_bytes is not None:
             kv = p.kv_cache_memory_bytes
         elif p.total_gpu_bytes is None:
-            kv = cpu_kv_cache_bytes(p.max_num_seqs, p.max_model_len, p.block_size, per_token * p.block_size)
+            kv = cpu_kv_cache_bytes(p.max_num_seqs, p.max_model_len, p.block_size, per_block,
+                                    cfg.kv_cache_group_windows)
         else:
             kv = kv_cache_bytes(budget, p.others_bytes, weights, activation, 0, graphs)
         ranks.append(RankPlan(shape.stage, shape.num_layers, weights, activation,

@@ -56,7 +56,10 @@ class Drafter:
         return cls(config.args.speculative_config, config.device, draft_step_cost=cost)
 
     def decide(self, batch_size: int) -> BudgetChoice:
-        """Once per step: the draft tokens per request for the coming steps of `batch_size` requests."""
+        """Once per step: the draft tokens per request for the coming steps of `batch_size` requests. An
+        idle engine keeps its last choice (nothing to decide, nothing to log)."""
+        if batch_size == 0:
+            return self.last_choice
         choice = self.budget.choose(batch_size)
         if choice.reason != self.last_choice.reason:
             logger.info("speculative decoding: %d draft tokens per request (%s; %d running; %s)",

@@ -9,7 +9,9 @@ A step runs in the smallest graph it fits; larger steps run eagerly (their GPU w
 Graphs read their inputs from one static int32 device buffer with fixed regions, filled by ONE
 host-to-device copy per step from a pinned twin. Padding tokens write nowhere (slot -1); in a mixed graph
 they form one extra request that attends to block 0 (finite values, results dropped), and unused request
-rows are empty (no tokens, no keys).
+rows are empty (no tokens, no keys). A model with several KV cache groups has a slot mapping per group and
+its block tables interleaved by row ([rows, groups, blocks]: group g's table is a view with a row stride),
+so the used prefix of the buffer stays one copy.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _aligned(n: int) -> int:
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, block_size: int, max_blocks_per_seq: int, max_model_len: int,
                  sizes: list[int], device: torch.device, num_kv_splits, mixed_sizes: list[int] = (),
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, num_kv_cache_groups: int = 1):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -59,9 +61,10 @@ class CudaGraphRunner:
         t = max([self.max_size, *self.mixed_sizes])
         r = max([self.max_size, *(self._mixed_rows(s) for s in self.mixed_sizes)])
         self.max_tokens, self.max_rows = t, r
+        self.num_groups = g = num_kv_cache_groups
         layout = [("input_ids", t), ("positions", t), ("slot_mapping", t), ("placeholder_index", t),
                   ("placeholder_rows", t), ("query_start_loc", r + 1), ("seq_lens", r), ("logits_indices", r),
-                  ("block_tables", r * mb)]
+                  *((f"slot_mapping_{i}", t) for i in range(1, g)), ("block_tables", r * g * mb)]
         self.offsets, total = {}, 0
         for name, size in layout:
             self.offsets[name] = total
@@ -69,8 +72,11 @@ class CudaGraphRunner:
         self.static = torch.zeros(total, dtype=torch.int32, device=device)
         for name, size in layout:
             setattr(self, name, self.static[self.offsets[name]:self.offsets[name] + size])
-        self.block_tables = self.block_tables.view(r, mb)
-        self.slot_mapping.fill_(-1)
+        self.group_tables = self.block_tables.view(r, g, mb)
+        self.block_tables = self.group_tables[:, 0]
+        self.slot_mappings = [self.slot_mapping, *(getattr(self, f"slot_mapping_{i}") for i in range(1, g))]
+        for slots in self.slot_mappings:
+            slots.fill_(-1)
         self.host = torch.zeros_like(self.static, device="cpu").pin_memory()
         self.host_np = self.host.numpy()
         self.copied = torch.cuda.Event()
@@ -85,17 +91,23 @@ class CudaGraphRunner:
     def _meta(self, kind: str, size: int) -> AttentionMetadata:
         # max_seq_len is fixed at capture (kernels size grids from it and stop at each seq_len).
         rows = size if kind == "decode" else self._mixed_rows(size)
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: rows + 1],
-            seq_lens=self.seq_lens[:rows],
-            block_tables=self.block_tables[:rows],
-            max_query_len=1 if kind == "decode" else size,
-            max_seq_len=self.max_model_len,
-            num_actual_tokens=size,
-            block_size=self.block_size,
-            num_kv_splits=self.num_kv_splits(size) if kind == "decode" else None,
-        )
+
+        def group_meta(g: int) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=self.slot_mappings[g][:size],
+                query_start_loc=self.query_start_loc[: rows + 1],
+                seq_lens=self.seq_lens[:rows],
+                block_tables=self.group_tables[:rows, g],
+                max_query_len=1 if kind == "decode" else size,
+                max_seq_len=self.max_model_len,
+                num_actual_tokens=size,
+                block_size=self.block_size,
+                num_kv_splits=self.num_kv_splits(size) if kind == "decode" else None,
+            )
+
+        meta = group_meta(0)
+        meta.other_groups = tuple(group_meta(g) for g in range(1, self.num_groups))
+        return meta
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(kind, size))
@@ -104,8 +116,9 @@ class CudaGraphRunner:
         # Valid inputs for warm-up and capture: every token its own request (decode) or one request of
         # `size` tokens (mixed), writing nowhere and reading block 0.
         rows = size if kind == "decode" else self._mixed_rows(size)
-        self.slot_mapping.fill_(-1)
-        self.block_tables.zero_()
+        for slots in self.slot_mappings:
+            slots.fill_(-1)
+        self.group_tables.zero_()
         if kind == "decode":
             self.query_start_loc[: rows + 1].copy_(torch.arange(rows + 1, dtype=torch.int32))
             self.seq_lens[:rows].fill_(1)
@@ -158,9 +171,10 @@ class CudaGraphRunner:
         """Whether a mixed step's sampled positions fit the staged logits-index region."""
         return num_logits_rows <= self.max_rows
 
-    def _stage(self, key, tokens: dict, rows: dict, tables: np.ndarray, num_rows: int, placeholders, last_sampled):
-        """Write the step's arrays (already padded) into the pinned twin, copy the used prefix of each
-        region in one go, fill placeholders and replay."""
+    def _stage(self, key, tokens: dict, rows: dict, tables: list[np.ndarray], num_rows: int, placeholders,
+               last_sampled):
+        """Write the step's arrays (already padded; `tables`: each group's block tables) into the pinned
+        twin, copy the used prefix of each region in one go, fill placeholders and replay."""
         self.copied.synchronize()  # the previous step's copy out of the staging buffer is done
         h, off = self.host_np, self.offsets
         for name, a in {**tokens, **rows}.items():
@@ -169,11 +183,12 @@ class CudaGraphRunner:
         k = index.size
         h[off["placeholder_index"]:off["placeholder_index"] + k] = index
         h[off["placeholder_rows"]:off["placeholder_rows"] + k] = sampled_rows
-        mb = self.max_blocks
-        bt = h[off["block_tables"]:off["block_tables"] + num_rows * mb].reshape(num_rows, mb)
-        bt[:tables.shape[0], :tables.shape[1]] = tables
-        bt[tables.shape[0]:num_rows, 0] = 0
-        used = off["block_tables"] + num_rows * mb
+        mb, g = self.max_blocks, self.num_groups
+        bt = h[off["block_tables"]:off["block_tables"] + num_rows * g * mb].reshape(num_rows, g, mb)
+        for i, table in enumerate(tables):
+            bt[:table.shape[0], i, :table.shape[1]] = table
+            bt[table.shape[0]:num_rows, i, 0] = 0
+        used = off["block_tables"] + num_rows * g * mb
         self.static[:used].copy_(self.host[:used], non_blocking=True)
         self.copied.record()
         if k:
@@ -181,24 +196,33 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         return self.outputs[key]
 
+    @staticmethod
+    def _slot_mappings(slot_mapping, other_groups, pad: int) -> dict:
+        """Each group's slot mapping, padded with writes to nowhere."""
+        mappings = [slot_mapping, *(slots for _, slots in other_groups)]
+        names = ["slot_mapping", *(f"slot_mapping_{g}" for g in range(1, len(mappings)))]
+        return {name: np.concatenate([slots, np.full(pad, -1, np.int64)]) for name, slots in zip(names, mappings)}
+
     def run(self, num_reqs: int, input_ids, positions, slot_mapping, seq_lens, block_tables,
-            placeholders, last_sampled) -> torch.Tensor:
+            placeholders, last_sampled, other_groups=()) -> torch.Tensor:
         """A decode step's numpy inputs -> replay; returns hidden [num_reqs, H].
-        `placeholders` (flat index, row in last_sampled): input ids still on the device, filled after the copy."""
+        `placeholders` (flat index, row in last_sampled): input ids still on the device, filled after the copy.
+        `other_groups`: (block tables, slot mapping) of KV cache groups 1, 2, ..."""
         bs = self.padded_size(num_reqs)
         pad = bs - num_reqs
         # Padding rows write nowhere and attend to one slot of block 0; their results are dropped.
         tokens = {
             "input_ids": np.concatenate([input_ids, np.zeros(pad, np.int64)]),
             "positions": np.concatenate([positions, np.zeros(pad, np.int64)]),
-            "slot_mapping": np.concatenate([slot_mapping, np.full(pad, -1, np.int64)]),
+            **self._slot_mappings(slot_mapping, other_groups, pad),
         }
         rows = {"query_start_loc": np.arange(bs + 1), "seq_lens": np.concatenate([seq_lens, np.ones(pad, np.int64)])}
-        out = self._stage(("decode", bs), tokens, rows, block_tables, bs, placeholders, last_sampled)
+        tables = [block_tables, *(t for t, _ in other_groups)]
+        out = self._stage(("decode", bs), tokens, rows, tables, bs, placeholders, last_sampled)
         return out[:num_reqs]
 
     def run_mixed(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                  logits_indices, placeholders, last_sampled) -> torch.Tensor:
+                  logits_indices, placeholders, last_sampled, other_groups=()) -> torch.Tensor:
         """Any step of at most the largest mixed size in tokens -> replay; returns the hidden states of
         the `logits_indices` tokens (the rows that sample)."""
         num_tokens, num_reqs = input_ids.size, seq_lens.size
@@ -208,7 +232,7 @@ class CudaGraphRunner:
         tokens = {
             "input_ids": np.concatenate([input_ids, np.zeros(pad, np.int64)]),
             "positions": np.concatenate([positions, np.arange(pad)]),
-            "slot_mapping": np.concatenate([slot_mapping, np.full(pad, -1, np.int64)]),
+            **self._slot_mappings(slot_mapping, other_groups, pad),
         }
         # The padding tokens are one more request (causal over `pad` keys of block 0); later rows are empty.
         qsl = np.full(rows_pad + 1, size, dtype=np.int64)
@@ -218,5 +242,6 @@ class CudaGraphRunner:
         lens[num_reqs] = pad
         n = logits_indices.size
         rows = {"query_start_loc": qsl, "seq_lens": lens, "logits_indices": logits_indices}
-        out = self._stage(("mixed", size), tokens, rows, block_tables, rows_pad, placeholders, last_sampled)
+        tables = [block_tables, *(t for t, _ in other_groups)]
+        out = self._stage(("mixed", size), tokens, rows, tables, rows_pad, placeholders, last_sampled)
         return out[self.logits_indices[:n].long()]

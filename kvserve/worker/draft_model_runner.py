@@ -105,8 +105,7 @@ class DraftModelRunner:
             if n <= 0:
                 break
             room -= n
-            context = s.prompt_token_ids + s.output_token_ids
-            catch_up.append((i, first, context[first:first + n]))
+            catch_up.append((i, first, s.known_tokens(first, first + n)))
             self.computed[s.request_id] = first + n
             if first + n == known:
                 ready.append(i)

@@ -153,13 +153,13 @@ class Eagle3Runner:
         ids = inputs.input_ids.long()
         next_ids = torch.empty_like(ids)
         next_ids[:-1] = ids[1:]
-        # A chunk that does not sample: the token after it is the next prompt token (known on the host).
+        # A chunk that does not sample: the token after it is known on the host.
         ends, tokens = [], []
         for i, s in enumerate(batch):
             if not s.needs_sample:
                 end = s.start_pos + len(s.token_ids)
                 ends.append(int(layout.query_start_loc[i + 1]) - 1)
-                tokens.append(s.prompt_token_ids[end] if end < len(s.prompt_token_ids) else 0)
+                tokens.append((s.known_tokens(end, end + 1) or [0])[0])
         if ends:
             next_ids[torch.tensor(ends, device=ids.device)] = torch.tensor(tokens, device=ids.device)
         rows: dict[str, tuple[int, int, int]] = {}

@@ -110,6 +110,15 @@ class RequestState:
         self.needs_sample = end >= known
         self.output_len = len(outputs) + (end > known)
 
+    def known_tokens(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) of the prompt and the outputs this worker holds (no copy of the rest)."""
+        prompt, p = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return prompt[start:] + self.output_token_ids[:end - p]
+
     def set_drafts(self, draft_token_ids: list[int]) -> None:
         """A draft model's tokens in this step's draft slots (the scheduler sent placeholders)."""
         n = len(self.spec_token_ids)
@@ -126,7 +135,7 @@ class StepLayout:
     token_ids: np.ndarray  # [T] flat input ids (placeholders still -1)
     q_lens: np.ndarray  # [B] tokens per request
     starts: np.ndarray  # [B] position of each request's first token
-    block_tables: np.ndarray  # [B, max blocks]
+    block_tables: np.ndarray  # [B, max blocks] (KV cache group 0's)
     query_start_loc: np.ndarray  # [B + 1]
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
@@ -135,6 +144,8 @@ class StepLayout:
     sampling_requests: list  # the requests that sample, in order (each owns 1 + len(drafts) rows)
     placeholders: tuple[np.ndarray, np.ndarray]  # (flat index in token_ids, row in last_sampled)
     has_drafts: bool
+    # Models with several KV cache groups: (block_tables, slot_mapping) of groups 1, 2, ...
+    other_groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -146,11 +157,13 @@ NO_PLACEHOLDERS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_blocks_per_request: int, block_size: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_blocks_per_request: int, block_size: int, device: torch.device,
+                 num_kv_cache_groups: int = 1):
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, RequestState] = {}
-        self.block_tables = BlockTables(max_num_seqs, max_blocks_per_request)
+        # One table per KV cache group (core/kv_cache_groups.py); every group's row has the same length.
+        self.group_tables = [BlockTables(max_num_seqs, max_blocks_per_request) for _ in range(num_kv_cache_groups)]
         self.generators: dict[str, torch.Generator] = {}
         # The last step's sampled ids, on the device, and each request's row in them.
         self.last_sampled: torch.Tensor | None = None
@@ -159,25 +172,34 @@ class InputBatch:
         self.prompt_logprobs_ids: set[str] = set()
         self.has_drafts = False
 
+    @property
+    def block_tables(self) -> BlockTables:
+        """KV cache group 0's tables (the only ones of a model whose layers all attend alike)."""
+        return self.group_tables[0]
+
     def apply(self, msg: StepMessage) -> list[RequestState]:
         """Takes in one step message; returns the step's requests in batch order."""
-        reqs, tables = self.requests, self.block_tables
+        reqs, groups = self.requests, self.group_tables
         for rid in msg.finished_req_ids:  # first: a finished id may be reused in this very step
             reqs.pop(rid, None)
-            tables.release(rid)
+            for tables in groups:
+                tables.release(rid)
             self.generators.pop(rid, None)
             self.prompt_logprobs_ids.discard(rid)
         for rid in msg.preempted_req_ids:
-            tables.release(rid)  # the generator stays: a resumed request continues its stream
+            for tables in groups:
+                tables.release(rid)  # the generator stays: a resumed request continues its stream
         for rid, num_blocks in msg.trimmed_block_tables.items():
-            tables.trim(rid, num_blocks)
+            for tables in groups:
+                tables.trim(rid, num_blocks)
         for new in msg.scheduled_new_reqs:
             rid = new.req_id
             state = reqs[rid] = RequestState(rid, new.prompt_token_ids, new.sampling_params, new.output_token_ids,
                                              new.adapter_id)
             state.start_pos = new.num_computed_tokens
-            tables.release(rid)
-            tables.add(rid, new.block_ids)
+            for tables, block_ids in zip(groups, new.block_ids, strict=True):
+                tables.release(rid)
+                tables.add(rid, block_ids)
             seed = getattr(new.sampling_params, "seed", None)
             if seed is not None and rid not in self.generators:
                 self.generators[rid] = torch.Generator(device=self.device).manual_seed(seed)
@@ -192,8 +214,9 @@ class InputBatch:
             state.start_pos = start
             if new_tokens:
                 state.output_token_ids.extend(new_tokens)
-            if new_blocks:
-                tables.append(rid, new_blocks)
+            if new_blocks[0]:  # every group grows at the same positions
+                for tables, block_ids in zip(groups, new_blocks):
+                    tables.append(rid, block_ids)
         spec = msg.scheduled_spec_decode_tokens
         self.has_drafts = bool(spec)
         batch = []
@@ -216,13 +239,19 @@ class InputBatch:
         q_lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_reqs)
         starts = np.fromiter(map(_start_pos, batch), dtype=np.int64, count=num_reqs)
         token_ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=int(q_lens.sum()))
-        tables = self.block_tables.gather(list(map(_request_id, batch)))
+        rids = list(map(_request_id, batch))
+        tables = self.group_tables[0].gather(rids)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         req_idx = np.repeat(np.arange(num_reqs), q_lens)
         positions = np.arange(token_ids.size) - qsl[req_idx] + starts[req_idx]
         bs = self.block_size
-        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+        block_index, offset = positions // bs, positions % bs
+        slot_mapping = tables[req_idx, block_index] * bs + offset
+        other_groups = []
+        for group in self.group_tables[1:]:
+            group_tables = group.gather(rids)
+            other_groups.append((group_tables, group_tables[req_idx, block_index] * bs + offset))
         sampling = [i for i, s in enumerate(batch) if s.needs_sample]
         sampling_requests = [batch[i] for i in sampling]
         has_drafts = self.has_drafts and any(s.spec_token_ids for s in sampling_requests)
@@ -240,7 +269,7 @@ class InputBatch:
             logits_indices = np.asarray(index, dtype=np.int64)
         return StepLayout(token_ids, q_lens, starts, tables, qsl, positions, slot_mapping, logits_indices,
                           sample_states, sampling_requests,
-                          self._placeholders(batch, token_ids, qsl), has_drafts)
+                          self._placeholders(batch, token_ids, qsl), has_drafts, tuple(other_groups))
 
     def _placeholders(self, batch, token_ids: np.ndarray, qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(flat index in the step's tokens, row in last_sampled) of each token sampled by the step in flight."""

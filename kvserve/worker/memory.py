@@ -99,7 +99,7 @@ def rank_shape(config: EngineConfig, stage: int = 0) -> memory_plan.RankShape:
 
 def kv_bytes_per_block(config: EngineConfig, stage: int = 0) -> int:
     kv_dtype = memory_plan.kv_cache_dtype_bytes(getattr(config.args, "kv_cache_dtype", "auto"), config.dtype)
-    target = memory_plan.kv_bytes_per_token(rank_shape(config, stage), kv_dtype) * config.args.block_size
+    target = memory_plan.kv_bytes_per_block(rank_shape(config, stage), kv_dtype, config.args.block_size)
     return target + draft_kv_bytes_per_block(config)
 
 
@@ -127,7 +127,8 @@ def kv_cache_bytes_cpu(config: EngineConfig, bytes_per_block: int) -> int:
     args = config.args
     if args.kv_cache_memory_bytes is not None:
         return args.kv_cache_memory_bytes
-    return memory_plan.cpu_kv_cache_bytes(args.max_num_seqs, config.max_model_len, args.block_size, bytes_per_block)
+    return memory_plan.cpu_kv_cache_bytes(args.max_num_seqs, config.max_model_len, args.block_size, bytes_per_block,
+                                          config.model_config.kv_cache_group_windows)
 
 
 def num_blocks_from_bytes(kv_bytes: int, bytes_per_block: int) -> int:
@@ -135,13 +136,13 @@ def num_blocks_from_bytes(kv_bytes: int, bytes_per_block: int) -> int:
 
 
 def log_kv_cache(config: EngineConfig, num_blocks: int, kv_bytes: int) -> None:
-    tokens = num_blocks * config.args.block_size
+    windows = config.model_config.kv_cache_group_windows
+    tokens = memory_plan.kv_cache_tokens(num_blocks, config.args.block_size, windows, config.max_num_batched_tokens)
     logger.info("Available KV cache memory: %.2f GiB", kv_bytes / GiB)
     kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     logger.info("%s KV cache size: %d tokens (dtype %s)", "GPU" if config.device == "cuda" else "CPU", tokens, kv_dtype)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", config.max_model_len,
-                memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len,
-                                            config.model_config.kv_cache_window))
+                memory_plan.max_concurrency(num_blocks, config.args.block_size, config.max_model_len, windows))
 
 
 def _host_memory() -> tuple[int, int]:
@@ -323,15 +324,15 @@ class StartupMemory:
 
 
 def _one_request_blocks(cfg: EngineConfig) -> int:
-    """Blocks one request of max_model_len tokens holds at once (less with a sliding window on every layer)."""
-    tokens = memory_plan.request_kv_tokens(cfg.max_model_len, cfg.args.block_size, cfg.model_config.kv_cache_window,
-                                           cfg.max_num_batched_tokens)
-    return tokens // cfg.args.block_size
+    """Blocks one request of max_model_len tokens holds at once (fewer in windowed KV cache groups)."""
+    return memory_plan.request_kv_blocks(cfg.max_model_len, cfg.args.block_size, cfg.model_config.kv_cache_group_windows,
+                                         cfg.max_num_batched_tokens)
 
 
 def length_error(cfg: EngineConfig, kv_bytes: int, bytes_per_block: int, others: int = 0) -> StartupMemoryError:
     args = cfg.args
-    capacity = kv_bytes // bytes_per_block * args.block_size
+    capacity = memory_plan.kv_cache_tokens(kv_bytes // bytes_per_block, args.block_size,
+                                           cfg.model_config.kv_cache_group_windows, cfg.max_num_batched_tokens)
     needed_blocks = _one_request_blocks(cfg)
     where = ("--kv-cache-memory-bytes" if cfg.device != "cuda" or args.kv_cache_memory_bytes is not None
              else "--gpu-memory-utilization (or --kv-cache-memory-bytes)")

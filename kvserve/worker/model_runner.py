@@ -3,13 +3,14 @@ with drafts to verify, the accepted drafts plus one)."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 
 import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_groups import layer_placements
 from kvserve.core.sched_output import StepMessage
 from kvserve.distributed.parallel_state import recv_from_prev_stage, send_to_next_stage
 from kvserve.model.loader import DTYPES, load_model
@@ -60,6 +61,15 @@ class ModelRunner:
 
             pack_cpu_linears(self.model)
             tune_malloc_for_cpu_inference()  # before the KV cache and the first step allocate
+        # KV cache groups (core/kv_cache_groups.py): which of this stage's KV tensors each layer uses. A
+        # model whose layers all attend alike has one group and a tensor per layer.
+        self.num_kv_cache_groups = len(self.model_config.kv_cache_groups)
+        placements = layer_placements(self.model_config.layer_windows or [None] * self.model_config.num_hidden_layers,
+                                      range(self.model.start_layer, self.model.end_layer))
+        self.layer_kv_slots = [placements[i].slot for i in range(self.model.start_layer, self.model.end_layer)]
+        self.num_kv_slots = max(self.layer_kv_slots) + 1
+        self.kv_tensors: list[torch.Tensor] = []  # [num_kv_slots] x [2, num_blocks, block_size, Hkv, D]
+        self.kv_caches: list[torch.Tensor] = []  # per local layer: its slot's tensor (what the model reads)
         # A draft model or an EAGLE-3 head: fills the draft slots each step, its cache in the same blocks.
         self.draft_runner = None
         spec = config.args.speculative_config
@@ -73,35 +83,39 @@ class ModelRunner:
             self.draft_runner = Eagle3Runner(config, self.model, self.backend, self.kv_cache_dtype,
                                              self._build_inputs)
         self.eagle = spec is not None and spec.method == "eagle3"
-        self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), same layout on the host
+        self.cpu_kv_caches: list[torch.Tensor] = []  # the swap space (--swap-space), kv_tensors' layout on the host
         self.staging = StagingBuffer(1 << 20) if self.device.type == "cuda" else None
         self.graph_runner: CudaGraphRunner | None = None
         self.graph_sizes = capture_sizes(config.args.max_num_seqs)
         # Per-request state that outlives a step: one owner, whichever executor delivers the steps.
         self.input_batch = InputBatch(config.args.max_num_seqs, -(-config.max_model_len // self.block_size),
-                                      self.block_size, self.device)
+                                      self.block_size, self.device, self.num_kv_cache_groups)
         # The step launched with grammar_bitmask_deferred, until its mask arrives: (handle, sample(mask, rows)).
         self._deferred = None
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes per block: its layers (pipeline stage) and its KV heads (tensor parallel), and
-        a draft model's K/V of the same tokens."""
+        """This rank's bytes per block: one per KV tensor of its stage (a tensor per layer, or per layer of
+        a KV cache group), of its KV heads (tensor parallel), and a draft model's K/V of the same tokens."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        model = self.model
         per_head = self.model_config.kv_cache_head_dim
-        target = model.num_local_layers * 2 * model.num_local_kv_heads * per_head * elem * self.block_size
+        target = self.num_kv_slots * 2 * self.model.num_local_kv_heads * per_head * elem * self.block_size
         return target + (memory.draft_kv_bytes_per_block(self.config) if self.draft_runner is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        """The stage's KV tensors, one per slot."""
         shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.model_config.kv_cache_head_dim)
         # Zeros, not empty: padded reads of never-written slots must be finite (0 * NaN = NaN).
-        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.model.num_local_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.num_kv_slots)]
+
+    def layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each local layer's KV tensor."""
+        return [tensors[slot] for slot in self.layer_kv_slots]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.allocate_kv_cache(num_blocks)
+        self.kv_tensors = self.allocate_kv_cache(num_blocks)
+        self.kv_caches = self.layer_caches(self.kv_tensors)
         self.num_blocks = num_blocks
         if self.draft_runner is not None:
             self.draft_runner.initialize_kv_cache(num_blocks)
@@ -112,16 +126,16 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.cpu_kv_caches = [
             torch.zeros((gpu.shape[0], num_cpu_blocks, *gpu.shape[2:]), dtype=gpu.dtype, device="cpu", pin_memory=pin)
-            for gpu in self.kv_caches
+            for gpu in self.kv_tensors
         ]
 
     def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
-        """Copies (gpu_block, cpu_block) pairs out to the swap space or back in, in every layer."""
+        """Copies (gpu_block, cpu_block) pairs out to the swap space or back in, in every KV tensor."""
         if not pairs:
             return
         gpu_idx = torch.tensor([g for g, _ in pairs], dtype=torch.long, device=self.device)
         cpu_idx = torch.tensor([c for _, c in pairs], dtype=torch.long)
-        for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches):
+        for gpu, cpu in zip(self.kv_tensors, self.cpu_kv_caches):
             if to_cpu:
                 cpu[:, cpu_idx] = gpu[:, gpu_idx].to("cpu")
             else:
@@ -178,7 +192,7 @@ class ModelRunner:
             self.model, self.kv_caches, self.block_size, -(-self.max_model_len // self.block_size),
             self.max_model_len, self.graph_sizes, self.device, self.decode_num_kv_splits,
             mixed_sizes=mixed_graph_sizes(self.config.max_num_batched_tokens),
-            max_num_seqs=self.config.args.max_num_seqs,
+            max_num_seqs=self.config.args.max_num_seqs, num_kv_cache_groups=self.num_kv_cache_groups,
         )
         self.graph_runner.capture()
 
@@ -191,18 +205,20 @@ class ModelRunner:
         q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
         q_lens[: num_tokens % num_seqs] += 1
         blocks_per_seq = -(-int(q_lens.max()) // self.block_size)
-        scratch = self.allocate_kv_cache(num_seqs * blocks_per_seq)
+        scratch = self.layer_caches(self.allocate_kv_cache(num_seqs * blocks_per_seq))
         tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int64).reshape(num_seqs, blocks_per_seq)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         req_idx = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens) - qsl[req_idx]
         bs = self.block_size
+        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
         layout = StepLayout(
             token_ids=np.zeros(num_tokens, dtype=np.int64), q_lens=q_lens, starts=np.zeros(num_seqs, dtype=np.int64),
             block_tables=tables, query_start_loc=qsl, positions=positions,
-            slot_mapping=tables[req_idx, positions // bs] * bs + positions % bs, logits_indices=qsl[1:] - 1,
+            slot_mapping=slot_mapping, logits_indices=qsl[1:] - 1,
             sample_states=[], sampling_requests=[], placeholders=NO_PLACEHOLDERS, has_drafts=False,
+            other_groups=((tables, slot_mapping),) * (self.num_kv_cache_groups - 1),  # every group on one table
         )
         inputs, meta = self._build_inputs(layout)
         intermediate = None
@@ -233,16 +249,15 @@ class ModelRunner:
     def _build_inputs(self, layout: StepLayout) -> tuple[StepInputs, AttentionMetadata]:
         seq_lens = layout.seq_lens
         placeholder_index, placeholder_rows = layout.placeholders
-        inputs = StepInputs(
-            dict(
-                input_ids=layout.token_ids, positions=layout.positions, slot_mapping=layout.slot_mapping,
-                query_start_loc=layout.query_start_loc, seq_lens=seq_lens, logits_indices=layout.logits_indices,
-                placeholder_index=placeholder_index, placeholder_rows=placeholder_rows,
-                block_tables=layout.block_tables,
-            ),
-            self.device,
-            self.staging,
+        arrays = dict(
+            input_ids=layout.token_ids, positions=layout.positions, slot_mapping=layout.slot_mapping,
+            query_start_loc=layout.query_start_loc, seq_lens=seq_lens, logits_indices=layout.logits_indices,
+            placeholder_index=placeholder_index, placeholder_rows=placeholder_rows,
+            block_tables=layout.block_tables,
         )
+        for g, (tables, slots) in enumerate(layout.other_groups, start=1):
+            arrays[f"block_tables_{g}"], arrays[f"slot_mapping_{g}"] = tables, slots
+        inputs = StepInputs(arrays, self.device, self.staging)
         if placeholder_index.size:
             fill_placeholders(inputs.input_ids, inputs.placeholder_index, inputs.placeholder_rows,
                               self.input_batch.last_sampled)
@@ -258,6 +273,11 @@ class ModelRunner:
             query_start_loc_cpu=inputs.query_start_loc_cpu,
             seq_lens_cpu=inputs.seq_lens_cpu,
         )
+        if layout.other_groups:  # each group attends over its own tables (a fresh plan cache each)
+            meta.other_groups = tuple(
+                dataclasses.replace(meta, block_tables=getattr(inputs, f"block_tables_{g}"),
+                                    slot_mapping=getattr(inputs, f"slot_mapping_{g}"), backend_cache={})
+                for g in range(1, len(layout.other_groups) + 1))
         return inputs, meta
 
     def _run_graph(self, batch, layout: StepLayout):
@@ -273,12 +293,12 @@ class ModelRunner:
         decode_only = int(layout.q_lens.max()) == 1 and len(layout.sample_states) == num_reqs  # each samples
         if decode_only and graphs.padded_size(num_reqs) is not None:
             return graphs.run(num_reqs, layout.token_ids, layout.positions, layout.slot_mapping, layout.starts + 1,
-                              layout.block_tables, layout.placeholders, last_sampled)
+                              layout.block_tables, layout.placeholders, last_sampled, layout.other_groups)
         if graphs.mixed_padded_size(int(layout.token_ids.size)) is None or not graphs.fits_rows(layout.logits_indices.size):
             return None
         return graphs.run_mixed(layout.token_ids, layout.positions, layout.slot_mapping, layout.query_start_loc,
                                 layout.seq_lens, layout.block_tables, layout.logits_indices, layout.placeholders,
-                                last_sampled)
+                                last_sampled, layout.other_groups)
 
     @staticmethod
     def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, first_row: dict[str, int], requests: list) -> None:
@@ -343,6 +363,8 @@ class ModelRunner:
             inputs, meta = self._build_inputs(layout)
             if meta.max_query_len == 1:
                 meta.num_kv_splits = self.decode_num_kv_splits(len(batch))
+                for group_meta in meta.other_groups:
+                    group_meta.num_kv_splits = meta.num_kv_splits
             model = self.model
             intermediate = None
             if not model.is_first_stage:  # the previous stage's hidden states and residual
@@ -365,12 +387,13 @@ class ModelRunner:
                 self.draft_runner.observe(batch, layout, inputs, meta, aux, None)
             return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(logits_input).float()
-        # The draft runner reads the target's states and then the step's tokens.
-        observe = functools.partial(self.draft_runner.observe, batch, layout, inputs, meta, aux) \
-            if aux is not None else None
+
+        def observe_drafts(sampled) -> None:  # the draft proposer reads the target's states and sampled ids
+            if aux is not None:
+                self.draft_runner.observe(batch, layout, inputs, meta, aux, sampled)
 
         def sample_step(bitmask, mask_row: dict[str, int]) -> PendingOutput:
-            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe)
+            return self._sample(logits, layout, bitmask, mask_row, prompt_logprobs, observe_drafts)
 
         if msg.grammar_bitmask_deferred:
             handle = DeferredOutput()
@@ -379,7 +402,7 @@ class ModelRunner:
         return sample_step(msg.grammar_bitmask, msg.structured_output_request_ids)
 
     def _sample(self, logits: torch.Tensor, layout: StepLayout, bitmask, mask_row: dict[str, int],
-                prompt_logprobs: dict, observe=None) -> PendingOutput:
+                prompt_logprobs: dict, observe_drafts) -> PendingOutput:
         requests = layout.sampling_requests
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
@@ -390,11 +413,9 @@ class ModelRunner:
                                              self.device)
             sampler_out = sample(logits, meta_s)
             self.input_batch.record_sampled(sampler_out.sampled, layout)
-            if observe is not None:
-                observe(sampler_out.sampled)
+            observe_drafts(sampler_out.sampled)
             return PendingOutput(rids, sampler_out, wants_logprobs, prompt_logprobs)
         verified = verify_drafts(logits, requests, self.input_batch.generators, self.device)
         self.input_batch.record_sampled(verified.row_token_ids, layout)
-        if observe is not None:
-            observe(verified.row_token_ids)
+        observe_drafts(verified.row_token_ids)
         return PendingOutput(rids, None, wants_logprobs, prompt_logprobs, verified=verified)

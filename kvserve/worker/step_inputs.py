@@ -16,13 +16,15 @@ class StepInputs:
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
               "placeholder_index", "placeholder_rows", "block_tables")
+    # Models with several KV cache groups add group g's "block_tables_g" and "slot_mapping_g" (g >= 1).
 
     # Every field starts on a 64-byte boundary: Triton specializes kernels on pointer alignment, so
     # fields at arbitrary offsets would make mixed steps compile new kernel variants mid-run.
     ALIGN = 16
 
     def __init__(self, arrays: dict[str, np.ndarray], device: torch.device, staging: StagingBuffer | None = None):
-        flat = [arrays[f].reshape(-1) for f in self.FIELDS]
+        names = [*self.FIELDS, *(name for name in arrays if name not in self.FIELDS)]
+        flat = [arrays[f].reshape(-1) for f in names]
         offsets, total = [], 0
         for a in flat:
             offsets.append(total)
@@ -34,10 +36,11 @@ class StepInputs:
         dev = host.to(device, non_blocking=True)
         if staging is not None:
             staging.copy_issued()
-        for field_name, a, offset in zip(self.FIELDS, flat, offsets):
+        for field_name, a, offset in zip(names, flat, offsets):
             setattr(self, field_name, dev[offset:offset + a.size])
             setattr(self, field_name + "_cpu", host[offset:offset + a.size])
-        self.block_tables = self.block_tables.view(arrays["block_tables"].shape)
+            if field_name.startswith("block_tables"):
+                setattr(self, field_name, getattr(self, field_name).view(arrays[field_name].shape))
 
 
 class StagingBuffer:

@@ -32,7 +32,7 @@ def admit(kv: KVCacheManager, r: Request):
     if ids is None:
         return None
     r.num_computed_tokens = r.num_tokens
-    return hits, n_hit, ids
+    return hits[0], n_hit, ids[0]  # the one KV cache group's
 
 
 def state(kv: KVCacheManager):
@@ -42,8 +42,8 @@ def state(kv: KVCacheManager):
         [b.ref_cnt for b in pool.blocks],
         [b.block_hash for b in pool.blocks],
         dict(pool._cached),
-        {k: [b.block_id for b in v] for k, v in kv.req_to_blocks.items()},
-        dict(kv._num_cached_blocks),
+        {k: [b.block_id for b in v] for k, v in kv.groups[0].req_to_blocks.items()},
+        dict(kv.groups[0]._num_cached_blocks),
     )
 
 
@@ -73,7 +73,7 @@ def test_allocate_slots_grows_only_at_block_boundary():
         r.append_output_token(tok)
         # decode: compute the one newest token (position num_tokens - 1)
         new = kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens)
-        assert new == expect_new
+        assert new == (expect_new,)
         r.num_computed_tokens = r.num_tokens
         assert len(kv.block_ids("a")) * BS >= r.num_tokens
         kv.check_invariants()
@@ -195,9 +195,9 @@ def test_exact_full_blocks_prompt_leaves_one_token_to_compute(k):
     admit(kv, req("a", prompt))
     assert len(kv.pool._cached) == k  # every block of the first copy is cached
     b = req("b", prompt)
-    hits, n_hit = kv.get_computed_blocks(b)
+    (hits,), n_hit = kv.get_computed_blocks(b)
     assert len(hits) == k - 1 and n_hit == (k - 1) * BS
-    ids = kv.allocate_slots(b, b.num_tokens - n_hit, hits)
+    ids = kv.allocate_slots(b, b.num_tokens - n_hit, [hits])
     assert ids is not None and len(kv.block_ids("b")) == k
     assert kv.block_ids("b")[-1] != kv.block_ids("a")[-1]
     kv.check_invariants()
@@ -206,7 +206,7 @@ def test_exact_full_blocks_prompt_leaves_one_token_to_compute(k):
 def test_single_token_prompt_never_hits():
     kv = KVCacheManager(4, 1)
     admit(kv, req("a", [3]))
-    hits, n_hit = kv.get_computed_blocks(req("b", [3]))
+    (hits,), n_hit = kv.get_computed_blocks(req("b", [3]))
     assert hits == [] and n_hit == 0
 
 
@@ -220,17 +220,17 @@ def test_allocation_failure_leaves_state_unchanged_and_hits_not_taken():
     admit(kv, filler)  # takes 2 blocks: evicts a's tail (2) and block 3 (never used)
     kv.check_invariants()
     b = req("b", prompt + [5] * BS)  # 13 tokens: a's 2 cached blocks hit, then 2 new blocks
-    hits, n_hit = kv.get_computed_blocks(b)
+    (hits,), n_hit = kv.get_computed_blocks(b)
     assert n_hit == 2 * BS and all(x.ref_cnt == 0 for x in hits)
     before = state(kv)
-    assert kv.allocate_slots(b, b.num_tokens - n_hit, hits) is None
+    assert kv.allocate_slots(b, b.num_tokens - n_hit, [hits]) is None
     assert state(kv) == before
-    assert "b" not in kv.req_to_blocks
+    assert "b" not in kv.groups[0].req_to_blocks
     assert all(x.ref_cnt == 0 and x.block_id in kv.pool._free for x in hits)
     kv.check_invariants()
     # With room it succeeds and does take the hits.
     kv.free(filler)
-    assert kv.allocate_slots(b, b.num_tokens - n_hit, hits) is not None
+    assert kv.allocate_slots(b, b.num_tokens - n_hit, [hits]) is not None
     assert kv.block_ids("b")[:2] == [x.block_id for x in hits]
     kv.check_invariants()
 
@@ -244,10 +244,10 @@ def test_allocation_failure_counts_revived_hits_against_free_blocks():
     kv.allocate_slots(held, 1)  # the 4th block
     kv.free(a)
     b = req("b", list(range(2 * BS)) + [6] * (BS + 1))
-    hits, n_hit = kv.get_computed_blocks(b)
+    (hits,), n_hit = kv.get_computed_blocks(b)
     assert len(hits) == 2
     before = state(kv)
-    assert kv.allocate_slots(b, b.num_tokens - n_hit, hits) is None
+    assert kv.allocate_slots(b, b.num_tokens - n_hit, [hits]) is None
     assert state(kv) == before
     kv.check_invariants()
 
@@ -277,14 +277,14 @@ def test_free_is_tail_first_so_tail_is_evicted_before_head():
     admit(kv, other)  # 1 block: the uncached partial tail
     assert kv.block_ids("o") == [ids[3]]
     again = req("a2", range(3 * BS + 1))
-    hits, _ = kv.get_computed_blocks(again)
+    (hits,), _ = kv.get_computed_blocks(again)
     assert [x.block_id for x in hits] == ids[:3]
     kv.free(other)
     kv.pool.allocate(1)  # evicts a's last cached block (ids[2]); its head blocks outlive it
-    hits, _ = kv.get_computed_blocks(again)
+    (hits,), _ = kv.get_computed_blocks(again)
     assert [x.block_id for x in hits] == ids[:2]
     kv.pool.allocate(1)
-    hits, _ = kv.get_computed_blocks(again)
+    (hits,), _ = kv.get_computed_blocks(again)
     assert [x.block_id for x in hits] == ids[:1]
 
 
@@ -292,7 +292,7 @@ def test_double_free_of_request_is_harmless_but_pool_double_free_raises():
     kv = KVCacheManager(4, BS)
     r = req("a", range(5))
     admit(kv, r)
-    blocks = list(kv.req_to_blocks["a"])
+    blocks = list(kv.groups[0].req_to_blocks["a"])
     kv.free(r)
     kv.free(r)  # the table is gone: a second free is a no-op, not a second decrement
     assert kv.pool.num_free_blocks == 4
@@ -309,7 +309,7 @@ def test_reset_prefix_cache():
     assert kv.reset_prefix_cache() is False
     kv.free(a)
     assert kv.reset_prefix_cache() is True
-    hits, n_hit = kv.get_computed_blocks(req("b", prompt))
+    (hits,), n_hit = kv.get_computed_blocks(req("b", prompt))
     assert hits == [] and n_hit == 0
     kv.check_invariants()
 
@@ -338,15 +338,15 @@ def test_hit_chain_stops_at_first_missing_block():
     kv = KVCacheManager(8, BS)
     X, Y, Z = [0, 1, 2, 3], [1, 1, 1, 1], [2, 2, 2, 2]
     a = req("a", X + Z + [3])
-    assert kv.allocate_slots(a, 2) == [0]  # first chunk: block 0 still partial, unpublished
+    assert kv.allocate_slots(a, 2) == ([0],)  # first chunk: block 0 still partial, unpublished
     a.num_computed_tokens = 2
     d = req("d", X + Y + [3])
     assert admit(kv, d)[1] == 0  # no hit: a's head is not published yet
-    d_head = kv.req_to_blocks["d"][0]
+    d_head = kv.groups[0].req_to_blocks["d"][0]
     assert a.block_hashes[0] == d.block_hashes[0] and kv.pool.lookup(d.block_hashes[0]) is d_head
     kv.allocate_slots(a, a.num_tokens - 2)  # a's head duplicates d's (unpublished); a's block 1 is published
     a.num_computed_tokens = a.num_tokens
-    a_head, a_second = kv.req_to_blocks["a"][:2]
+    a_head, a_second = kv.groups[0].req_to_blocks["a"][:2]
     assert a_head.block_hash is None and kv.pool.lookup(a.block_hashes[1]) is a_second
     kv.free(d)
     filler = req("f", [3] * (5 * BS))
@@ -356,6 +356,6 @@ def test_hit_chain_stops_at_first_missing_block():
     kv.free(a)
     assert kv.pool.lookup(a.block_hashes[1]) is a_second  # the orphaned second block is still cached
     q = req("q", X + Z + [1])
-    hits, n_hit = kv.get_computed_blocks(q)
+    (hits,), n_hit = kv.get_computed_blocks(q)
     assert hits == [] and n_hit == 0
     kv.check_invariants()

@@ -62,8 +62,9 @@ class Cfg:
     swap_cost: float = 1.0
     # Pipeline parallelism: up to this many batches in flight, each request in at most one (0: off).
     pipeline_depth: int = 0
-    # A model whose every layer sees its last `sliding_window` positions: blocks behind it are freed.
-    sliding_window: int | None = None
+    # The KV cache groups' windows (None: full attention): a windowed group frees the blocks behind its
+    # window; several groups are an interleaved local/global model (Gemma), each with its own tables.
+    group_windows: tuple[int | None, ...] = (None,)
 
     @property
     def max_unapplied(self) -> int:
@@ -88,7 +89,7 @@ class Harness:
         self.cfg = cfg
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.caching,
                                  **({"num_cpu_blocks": cfg.num_cpu_blocks} if cfg.num_cpu_blocks else {}),
-                                 **({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}))
+                                 **({"group_windows": cfg.group_windows} if cfg.group_windows != (None,) else {}))
         swap = dict(preemption_mode=cfg.preemption_mode, recompute_seconds_per_token=cfg.recompute_cost,
                     swap_seconds_per_block=cfg.swap_cost) if cfg.preemption_mode != "recompute" else {}
         self.sched = Scheduler(
@@ -109,7 +110,7 @@ class Harness:
         self.physical: dict[int, list] = {}  # simulated KV: block id -> per-slot token (None = never written)
         self.cpu_physical: dict[int, list] = {}  # the same for CPU (swap) blocks
         self.num_swapped_out = self.num_swapped_in = 0
-        self.runner_tables: dict[str, list[int]] = {}  # the runner's view of each block table
+        self.runner_tables: dict[str, list[list[int]]] = {}  # the runner's view of each group's block table
         # Steps scheduled and run whose sampled tokens the scheduler has not seen yet (update pending),
         # oldest first: empty in sync mode between operations, at most one in async mode.
         self.unapplied: list[tuple[SchedulerOutput, dict[str, int]]] = []
@@ -139,7 +140,7 @@ class Harness:
         must_reject = (
             len(prompt) > c.max_model_len
             or (not c.chunked and len(prompt) > c.max_num_batched_tokens)
-            or len(prompt) > c.num_blocks * c.block_size
+            or self._blocks_for_prompt(len(prompt)) > c.num_blocks
         )
         if must_reject:
             with pytest.raises(ValueError):
@@ -153,6 +154,14 @@ class Harness:
         self.all[rid] = r
         self.budget_steps += (len(prompt) + max_tokens) * 4
         return r
+
+    def _blocks_for_prompt(self, n: int) -> int:
+        """Blocks a prompt of n tokens holds at once in its first chunk: all of them in a full group; a
+        window, a chunk and a partly filled block at each end in a windowed one."""
+        c = self.cfg
+        chunk = min(n, c.max_num_batched_tokens) if c.chunked else n
+        full = cdiv(n, c.block_size)
+        return sum(full if w is None else min(full, cdiv(w - 1 + chunk, c.block_size) + 1) for w in c.group_windows)
 
     def add_duplicate(self, rid: str) -> None:
         r = self.sched.requests[rid]
@@ -224,7 +233,7 @@ class Harness:
     def check_all_done(self) -> None:
         assert not self.unapplied
         assert self.kv.pool.num_free_blocks == self.cfg.num_blocks
-        assert self.kv.req_to_blocks == {}
+        assert all(g.req_to_blocks == {} for g in self.kv.groups)
         assert _swap_space_free(self.kv)
         assert self.sched.requests == {}
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
@@ -260,23 +269,26 @@ class Harness:
         for gpu, cpu in getattr(out, "blocks_to_swap_in", ()):
             self.physical[gpu] = list(self.cpu_physical[cpu])
             self.num_swapped_in += 1
+        windows = self.cfg.group_windows
         for s in out.scheduled:
+            assert len(s.new_block_ids) == len(windows)
             if s.is_new:
-                self.runner_tables[s.request_id] = list(s.new_block_ids)
+                self.runner_tables[s.request_id] = [list(ids) for ids in s.new_block_ids]
             else:
                 assert s.request_id in self.runner_tables, "continuing request unknown to the runner"
-                self.runner_tables[s.request_id] += s.new_block_ids
-            # The runner's incrementally built table matches the manager's, from the step's window on;
+                for table, ids in zip(self.runner_tables[s.request_id], s.new_block_ids):
+                    table += ids
+            # Each group's incrementally built table matches the manager's, from the step's window on;
             # with a window, exactly the blocks before it are freed.
-            lo = first_block_in_window(s.start_pos, bs, self.cfg.sliding_window)
-            table_now = self.kv.block_ids(s.request_id)
-            assert len(self.runner_tables[s.request_id]) == len(table_now)
-            assert self.runner_tables[s.request_id][lo:] == table_now[lo:]
-            held = self.kv.req_to_blocks[s.request_id]
-            assert all(b is FREED for b in held[:lo]) and all(b is not FREED for b in held[lo:])
-        # All K/V writes of the step, then all reads (attention), as in one forward pass.
+            for g, w in enumerate(windows):
+                lo = first_block_in_window(s.start_pos, bs, w)
+                table_now = self.kv.block_ids(s.request_id, g)
+                assert len(self.runner_tables[s.request_id][g]) == len(table_now)
+                assert self.runner_tables[s.request_id][g][lo:] == table_now[lo:]
+                held = self.kv.groups[g].req_to_blocks[s.request_id]
+                assert all(b is FREED for b in held[:lo]) and all(b is not FREED for b in held[lo:])
+        # All K/V writes of the step (every group's layers), then all reads (attention), as in one forward pass.
         for s in out.scheduled:
-            table = self.runner_tables[s.request_id]
             for k, tok in enumerate(s.token_ids):
                 pos = s.start_pos + k
                 if tok == PLACEHOLDER_TOKEN_ID:
@@ -286,27 +298,29 @@ class Harness:
                     sample_pos, tok = self.last_sampled[s.request_id]
                     assert sample_pos == pos, (s.request_id, sample_pos, pos)
                     self.num_placeholders += 1
-                slots = self.physical.setdefault(table[pos // bs], [None] * bs)
-                slots[pos % bs] = tok
+                for table in self.runner_tables[s.request_id]:
+                    slots = self.physical.setdefault(table[pos // bs], [None] * bs)
+                    slots[pos % bs] = tok
         sampled, self.last_sampled = {}, {}
-        w = self.cfg.sliding_window
         for s in out.scheduled:
             end = s.start_pos + len(s.token_ids)
             truth = self._truth(s.request)  # known tokens + those sampled by the step in flight
-            # Every position some query of the step sees (with a window, from the first query's window on).
-            first = 0 if w is None else max(0, s.start_pos - w + 1)
-            seen = self._read(self.runner_tables[s.request_id], end, first)
-            assert len(truth) >= end and seen == truth[first:end], f"{s.request_id} would attend to wrong K/V"
-            attended = seen[max(0, end - w) - first:] if w is not None else seen  # the sampling query's keys
+            attended = []  # the sampling query's keys, in every group's layers
+            for table, w in zip(self.runner_tables[s.request_id], windows):
+                # Every position some query of the step sees (with a window, from the first query's window on).
+                first = 0 if w is None else max(0, s.start_pos - w + 1)
+                seen = self._read(table, end, first)
+                assert len(truth) >= end and seen == truth[first:end], f"{s.request_id} would attend to wrong K/V"
+                attended += seen[max(0, end - w) - first:] if w is not None else seen
             if s.needs_sample:
                 tok = self.token_fn(s.request_id, attended) if self.token_fn else self.rng.randrange(ALPHABET)
                 sampled[s.request_id] = tok
                 self.last_sampled[s.request_id] = (end, tok)
         return sampled
 
-    def _read_cpu(self, table: list[int], n: int) -> list:
+    def _read_cpu(self, table: list[int], n: int, first: int = 0) -> list:
         bs = self.cfg.block_size
-        return [self.cpu_physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
+        return [self.cpu_physical.get(table[p // bs], [None] * bs)[p % bs] for p in range(first, n)]
 
     def _read(self, table: list[int], n: int, first: int = 0) -> list:
         bs = self.cfg.block_size
@@ -418,7 +432,7 @@ class Harness:
         swapped_in = {s.request_id for s in out.scheduled if s.is_new and before[id(s.request)][0] > 0}
         in_blocks = [g for g, _ in getattr(out, "blocks_to_swap_in", ())]
         assert len(set(in_blocks)) == len(in_blocks)
-        assert set(in_blocks) <= {b for rid in swapped_in for b in self.kv.block_ids(rid)}
+        assert set(in_blocks) <= {b for rid in swapped_in for table in self.kv.block_tables(rid) for b in table}
         if getattr(out, "blocks_to_swap_out", None):
             assert out.preempted_req_ids and not out.blocks_to_swap_in  # swap-outs only in a preempting step
         for s in out.scheduled:
@@ -492,11 +506,11 @@ class Harness:
         assert live == set(sched.requests)
         assert all(sched.requests[r.request_id] is r for r in waiting + running)
         # Every block is either free or held by some request table.
-        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b is not FREED}
+        held = {b.block_id for g in kv.groups for blocks in g.req_to_blocks.values() for b in blocks if b is not FREED}
         assert kv.pool.num_free_blocks + len(held) == c.num_blocks
         assert set(kv.pool._free).isdisjoint(held)
         # Only running requests hold blocks (waiting/preempted/finished ones hold none).
-        assert set(kv.req_to_blocks) <= {r.request_id for r in running}
+        assert all(set(g.req_to_blocks) <= {r.request_id for r in running} for g in kv.groups)
         assert len(self.unapplied) <= c.max_unapplied
         if c.pipeline_depth:  # each request in at most one batch in flight
             in_flight = [s.request_id for out, _ in self.unapplied for s in out.scheduled]
@@ -510,19 +524,24 @@ class Harness:
                 assert EOS not in r.output_token_ids  # it would have stopped
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.request_id not in kv.req_to_blocks
+            assert all(r.request_id not in g.req_to_blocks for g in kv.groups)
             if _is_swapped(kv, r):
-                # Swapped out: its computed K/V is on the CPU, one CPU block per GPU block it had.
-                cpu_table = kv.swap_space.req_to_blocks[r.request_id]
+                # Swapped out: its computed K/V is on the CPU, one CPU block per live GPU block it had, group
+                # after group (a windowed group's freed entries hold none).
+                cpu_table = list(kv.swap_space.req_to_blocks[r.request_id])
                 assert r.status == RequestStatus.PREEMPTED
-                assert len(cpu_table) == cdiv(r.num_computed_tokens, c.block_size)
-                assert self._read_cpu(cpu_table, r.num_computed_tokens) == self._truth(r)[: r.num_computed_tokens]
+                for num_freed, num_live in kv._swapped_layout[r.request_id]:
+                    assert num_freed + num_live == cdiv(r.num_computed_tokens, c.block_size)
+                    table, cpu_table = [None] * num_freed + cpu_table[:num_live], cpu_table[num_live:]
+                    first = num_freed * c.block_size
+                    assert (self._read_cpu(table, r.num_computed_tokens, first)
+                            == self._truth(r)[first: r.num_computed_tokens])
+                assert not cpu_table
             else:
                 assert r.num_computed_tokens == 0
         for r in running:
             assert r.status == RequestStatus.RUNNING
-            table = kv.block_ids(r.request_id)
-            assert len(table) * c.block_size >= r.num_computed_tokens and table
+            assert len(kv.block_ids(r.request_id)) * c.block_size >= r.num_computed_tokens and kv.block_ids(r.request_id)
             # Always something left to compute: at least the newest token (known or in flight).
             assert r.num_computed_tokens < r.num_tokens + r.num_pending_outputs
             if r.num_pending_outputs:
@@ -530,13 +549,16 @@ class Harness:
             assert r.num_computed_tokens <= c.max_model_len
             # The K/V this request has computed is really there, untouched by anyone else (tokens in
             # flight included: the runner filled them in from the device); with a window, the blocks
-            # it still holds.
-            first = sum(1 for b in kv.req_to_blocks[r.request_id] if b is FREED) * c.block_size
-            assert all(b is not FREED for b in kv.req_to_blocks[r.request_id][first // c.block_size:])
-            assert self._read(table, r.num_computed_tokens, first) == self._truth(r)[first: r.num_computed_tokens]
+            # it still holds, in every group.
+            for g, group in enumerate(kv.groups):
+                blocks = group.req_to_blocks[r.request_id]
+                first = sum(1 for b in blocks if b is FREED) * c.block_size
+                assert all(b is not FREED for b in blocks[first // c.block_size:])
+                assert (self._read(kv.block_ids(r.request_id, g), r.num_computed_tokens, first)
+                        == self._truth(r)[first: r.num_computed_tokens])
         for rid, r in self.all.items():
             if r.is_finished:
-                assert rid not in sched.requests and rid not in kv.req_to_blocks
+                assert rid not in sched.requests and all(rid not in g.req_to_blocks for g in kv.groups)
                 assert r not in sched.waiting and r not in sched.running
                 if self._stops_on_eos(r):
                     assert EOS not in r.output_token_ids[:-1]  # nothing appended after the stop
@@ -550,9 +572,9 @@ class Harness:
                 assert len(toks) == bs and hash_block_tokens(hashes[i - 1] if i else None, toks) == hashes[i]
                 self._hash_tokens[hashes[i]] = toks
             self._hashes_seen[id(r)] = len(hashes)
-        for block_hash, block_id in kv.pool._cached.items():
-            assert kv.pool.blocks[block_id].block_hash == block_hash
-            assert self.physical.get(block_id) == self._hash_tokens[block_hash], f"cached block {block_id}"
+        for key, block_id in kv.pool._cached.items():  # a group's key: the block hash, then the group's index
+            assert kv.pool.blocks[block_id].block_hash == key
+            assert self.physical.get(block_id) == self._hash_tokens[key[:32]], f"cached block {block_id}"
         assert sched.num_preemptions == sum(r.num_preemptions for r in self.all.values())
         by_mode = getattr(sched, "num_preemptions_by_mode", None)
         if by_mode is not None:
@@ -581,7 +603,15 @@ def configs(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     # Small pools half the time: memory pressure (preemption, eviction) needs few blocks.
     num_blocks = draw(st.one_of(st.integers(4, 12), st.integers(4, 64)), label="num_blocks")
-    cap = min(num_blocks * block_size, 48)
+    # One group of full layers, one of windowed layers (Mistral), or interleaved groups (Gemma: full and
+    # windowed groups, the windowed ones sometimes of two sizes).
+    window = st.integers(1, 12)
+    windows = draw(st.one_of(st.just((None,)), st.tuples(window),
+                             st.lists(st.one_of(st.none(), window), min_size=2, max_size=3).map(tuple)),
+                   label="group_windows")
+    # A request of max_model_len fits alone even where every group keeps all its blocks (as the engine
+    # checks at start-up).
+    cap = min(num_blocks // len(windows) * block_size, 48)
     # Often as long as the cache allows, so a few requests fill it.
     max_model_len = draw(st.one_of(st.just(cap), st.integers(max(1, cap // 2), cap), st.integers(1, cap)),
                          label="max_model_len")
@@ -599,9 +629,8 @@ def configs(draw):
         if preemption != "recompute":
             swap = dict(preemption_mode=preemption, num_cpu_blocks=draw(st.integers(0, 2 * num_blocks), label="cpu_blocks"),
                         swap_cost=draw(st.sampled_from([0.01, 1.0, 100.0]), label="swap_cost"))
-    window = draw(st.one_of(st.none(), st.integers(1, 12)), label="sliding_window")
     return Cfg(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, caching,
-               mode == "async", pipeline_depth=depth, sliding_window=window, **swap)
+               mode == "async", pipeline_depth=depth, group_windows=windows, **swap)
 
 
 def tokens(min_size: int, max_size: int):
@@ -1235,8 +1264,8 @@ class SpecRun:
         sampled = {}
         for s in out.scheduled:
             r = s.request
-            self.tables[s.request_id] = (list(s.new_block_ids) if s.is_new
-                                         else self.tables[s.request_id] + s.new_block_ids)
+            (new_ids,) = s.new_block_ids  # one KV cache group
+            self.tables[s.request_id] = list(new_ids) if s.is_new else self.tables[s.request_id] + new_ids
             table = self.tables[s.request_id]
             assert table == self.kv.block_ids(s.request_id)
             k = len(s.spec_token_ids)
@@ -1284,7 +1313,7 @@ class SpecRun:
     def check(self) -> None:
         kv, bs = self.kv, self.cfg.block_size
         kv.check_invariants()  # every ref count equals the tables holding the block; none in two places
-        held = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        held = {b.block_id for blocks in kv.groups[0].req_to_blocks.values() for b in blocks}
         assert kv.pool.num_free_blocks + len(held) == self.cfg.num_blocks  # nothing leaked
         for r in self.sched.running:
             assert not r.num_spec_in_flight
@@ -1306,7 +1335,7 @@ class SpecRun:
             assert steps <= limit, "livelock"
             self.step()
         self.sched.schedule()  # reports the last finishes
-        assert self.kv.pool.num_free_blocks == self.cfg.num_blocks and self.kv.req_to_blocks == {}
+        assert self.kv.pool.num_free_blocks == self.cfg.num_blocks and self.kv.groups[0].req_to_blocks == {}
         assert _swap_space_free(self.kv)
         return {r.request_id: r.output_token_ids for r in self.all}
 

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache_manager import FREED, KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.sched_output import PLACEHOLDER_TOKEN_ID
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
@@ -24,15 +24,16 @@ class _Params:
     min_tokens = 0
 
 
-def _run(async_scheduling: bool, drafts: bool) -> dict[str, int]:
+def _run(async_scheduling: bool, drafts: bool, group_windows=(None,), num_blocks: int = 14) -> dict[str, int]:
     rng = random.Random(3)
     bs = 4
-    kv = KVCacheManager(num_blocks=14, block_size=bs)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=bs, group_windows=group_windows)
     sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10, max_model_len=40), kv)
     for i in range(5):
         prompt = [rng.randrange(50) for _ in range(rng.randint(3, 14))]
         sched.add_request(Request(f"r{i}", prompt, _Params()))
-    batch = InputBatch(max_num_seqs=3, max_blocks_per_request=10, block_size=bs, device=torch.device("cpu"))
+    batch = InputBatch(max_num_seqs=3, max_blocks_per_request=10, block_size=bs, device=torch.device("cpu"),
+                       num_kv_cache_groups=len(group_windows))
     in_flight = None
     steps = 0
     seen = {"placeholders": 0, "trims": 0, "drafts": 0, "resumed": 0}
@@ -52,9 +53,13 @@ def _run(async_scheduling: bool, drafts: bool) -> dict[str, int]:
             assert (state.start_pos, state.token_ids, state.needs_sample, state.output_len) == (
                 s.start_pos, s.token_ids, s.needs_sample, s.output_len)
             assert list(state.spec_token_ids) == list(s.spec_token_ids)
-            rows = batch.block_tables
-            row = rows.rows[s.request_id]
-            assert rows.table[row, :rows.lengths[row]].tolist() == kv.block_ids(s.request_id)
+            for g, rows in enumerate(batch.group_tables):  # every KV cache group's table
+                row = rows.rows[s.request_id]
+                table = kv.block_ids(s.request_id, g)
+                # Entries that left a window are never read again: the worker may keep their old ids.
+                freed = sum(1 for blk in kv.groups[g].req_to_blocks[s.request_id] if blk is FREED)
+                assert rows.lengths[row] == len(table)
+                assert rows.table[row, freed:rows.lengths[row]].tolist() == table[freed:]
             r = s.request
             known = r.prompt_token_ids + r.output_token_ids
             assert state.prompt_token_ids + state.output_token_ids == known
@@ -90,3 +95,10 @@ def test_with_placeholders_in_flight():
 def test_with_drafts_and_rollback():
     seen = _run(async_scheduling=False, drafts=True)
     assert seen["drafts"] > 0 and seen["trims"] > 0
+
+
+def test_interleaved_groups_each_get_their_tables():
+    """A Gemma-shaped cache (windowed, full and windowed groups): every group's table reaches the worker,
+    the windowed groups' freed entries included, with preemption and rollbacks."""
+    seen = _run(async_scheduling=False, drafts=True, group_windows=(5, None, 3), num_blocks=18)
+    assert seen["resumed"] > 0 and seen["trims"] > 0

@@ -77,7 +77,7 @@ def _generate(path, prompts=PROMPTS, **kwargs):
 
 def test_config_reads_the_gpt_oss_fields(gpt_oss):
     cfg = ModelConfig.from_path(gpt_oss[0])
-    assert cfg.layer_windows == [WINDOW, None, WINDOW] and cfg.kv_cache_window is None
+    assert cfg.layer_windows == [WINDOW, None, WINDOW] and cfg.kv_cache_group_windows == [WINDOW, None, WINDOW]
     assert cfg.attention_sinks and cfg.o_proj_bias and cfg.attention_bias
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_moe_layers) == (8, 2, 32, 3)
     assert (cfg.moe_router, cfg.moe_activation, cfg.moe_bias, cfg.swiglu_limit) == ("topk_softmax", "swiglu_oai",

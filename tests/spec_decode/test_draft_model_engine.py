@@ -219,3 +219,20 @@ def test_smollm2_with_a_small_draft_and_with_itself_as_oracle(tmp_path, smol_tok
     oracle = results["oracle"][1]
     assert oracle.num_drafts >= 3 and oracle.num_accepted_tokens == oracle.num_draft_tokens
     assert results["small"][1].num_draft_tokens > 0
+
+
+def test_kvserve_plan_counts_the_draft(tiny_model_factory, drafts, capsys):
+    import json
+
+    from kvserve.entrypoints.cli import main as cli_main
+
+    path, _ = tiny_model_factory("llama")
+    base = ["plan", path, "--gpu", "H200", "--max-model-len", "1024", "--json"]
+    assert cli_main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli_main(base + ["--speculative-config", json.dumps(_spec(drafts["small"]))]) == 0
+    with_draft = json.loads(capsys.readouterr().out)
+    draft_per_token = 1 * 2 * 2 * 8 * 2  # the small draft: 1 layer, 2 KV heads of 8, K and V, bf16
+    assert with_draft["ranks"][0]["kv_bytes_per_token"] == plain["ranks"][0]["kv_bytes_per_token"] + draft_per_token
+    assert with_draft["ranks"][0]["weights"] > plain["ranks"][0]["weights"]
+    assert with_draft["num_blocks"] < plain["num_blocks"]

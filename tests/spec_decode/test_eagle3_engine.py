@@ -133,3 +133,21 @@ def test_a_head_saved_as_pytorch_model_bin_proposes_the_same_drafts(target, head
     tokens, _, totals = _run(path, ROOMY, _spec(str(tmp_path)))
     expected_tokens, _, expected_totals = _run(path, ROOMY, _spec(head_path))
     assert tokens == expected_tokens and totals == expected_totals and totals.num_drafts > 0
+
+
+def test_the_heads_cache_shares_the_blocks_and_the_plan_counts_it(target, head):
+    from kvserve.sizing import memory_plan
+    from kvserve.worker import memory
+
+    path, head_path = target[0], head[0]
+    config = EngineArgs(model=path, **ROOMY, speculative_config=_spec(head_path)).create_engine_config()
+    per_token = 1 * 2 * KV_HEADS * (H // HEADS) * 4  # one layer, K and V, fp32
+    plan = memory_plan.make_plan(memory.plan_inputs(config, total_gpu_bytes=80 << 30))
+    assert plan.ranks[0].draft_kv_bytes_per_token == per_token and plan.ranks[0].draft_weights > 0
+    llm = LLM(path, **ROOMY, speculative_config=_spec(head_path))
+    try:
+        runner = llm.llm_engine.runner
+        assert runner.kv_bytes_per_block() == memory.kv_bytes_per_block(config)
+        assert runner.draft_runner.kv_caches[0].shape[1] == runner.kv_caches[0].shape[1] == 40
+    finally:
+        llm.llm_engine.shutdown()

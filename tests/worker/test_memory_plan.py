@@ -36,6 +36,7 @@ def _flag_supported(**kwargs) -> bool:
 # ---- plan == engine ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,dtype,kv_dtype", [
     ("llama", "float32", "auto"), ("qwen2", "bfloat16", "auto"), ("qwen3", "float32", "fp8"),
+    ("gemma2", "float32", "auto"), ("gemma3", "bfloat16", "auto"),
 ])
 def test_plan_equals_engine_allocation(tiny_model_factory, capsys, arch, dtype, kv_dtype):
     if kv_dtype != "auto" and not _flag_supported(kv_cache_dtype=kv_dtype):
@@ -52,11 +53,20 @@ def test_plan_equals_engine_allocation(tiny_model_factory, capsys, arch, dtype, 
     plan = run_plan(capsys, *argv, "--gpu", "H100")
 
     num_blocks = engine.kv_cache_manager.num_blocks
-    allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_tensors)
     assert plan["num_blocks"] == num_blocks
     assert plan["kv_bytes_per_block"] * num_blocks == allocated  # what the runner really allocated
-    assert plan["kv_tokens"] == num_blocks * 16
-    assert plan["max_concurrency"] == pytest.approx(num_blocks * 16 / 256)
+    if arch.startswith("gemma"):
+        # 3 layers (windowed, full, windowed of 24): 3 KV cache groups of one layer, so a block holds one
+        # layer; a decoding request of 256 tokens holds 16 blocks in the full group and
+        # cdiv(24, 16) + 1 = 3 in each windowed one.
+        assert [g["window"] for g in plan["kv_cache_groups"]] == [24, None, 24]
+        assert plan["kv_bytes_per_block"] == 2 * 2 * 16 * 16 * memory_plan.DTYPE_BYTES[dtype]
+        assert plan["max_concurrency"] == pytest.approx(num_blocks / (16 + 2 * 3))
+        assert 0 < plan["kv_tokens"] < num_blocks * 16
+    else:
+        assert plan["kv_tokens"] == num_blocks * 16
+        assert plan["max_concurrency"] == pytest.approx(num_blocks * 16 / 256)
     # Weights: the checkpoint's headers give exactly the bytes the loaded model holds (incl. rotary tables).
     held = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     # (k_scale / v_scale are 4-byte scalars of the KV cache, per layer: not weights.)

@@ -18,6 +18,13 @@ from kvserve.entrypoints.openai.admission import AdmissionLimits, check_request_
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.structured_request import request_constraint
 from kvserve.entrypoints.openai.request_fields import check_fields
+from kvserve.request_limits import (
+    RequestLimits,
+    ValidatedPrompt,
+    check_token_ids,
+    resolve_max_tokens,
+    validate_request,
+)
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.compiler import GrammarCompiler, StructuredOutputsConfig
 from kvserve.structured_output.limits import COMPILE_TIMEOUT_S
@@ -172,32 +179,31 @@ class ServingBase:
             raise APIError(f"{what} needs a tokenizer, and the server runs with --skip-tokenizer-init.", 400)
         return self.tokenizer
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits.from_config(self.engine.config)
+
     def max_tokens_for(self, num_prompt: int, max_tokens: int | None) -> int:
         """vLLM's context check and messages; an unset max_tokens takes what is left of the context."""
-        limit = self.max_model_len
-        if max_tokens is None:
-            if num_prompt >= limit:
-                raise APIError(
-                    f"This model's maximum context length is {limit} tokens. However, your request has "
-                    f"{num_prompt} input tokens. Please reduce the length of the input messages.", 400, "messages")
-            # The generation config's max_new_tokens caps an unset max_tokens (vLLM's get_max_tokens).
-            return min(limit - num_prompt, self.default_sampling.get("max_tokens") or limit)
-        if max_tokens < 1:
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}.", 400, "max_tokens")
-        if num_prompt + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the completion). "
-                f"Please reduce the length of the messages or completion.", 400, "max_tokens")
-        return max_tokens
+        try:
+            return resolve_max_tokens(num_prompt, max_tokens, self.request_limits, self.default_sampling.get("max_tokens"))
+        except ValueError as e:
+            raise APIError(str(e), 400, "max_tokens" if max_tokens is not None else "messages") from None
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
-        vocab = self.engine.config.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).", 400, param)
-        if not ids:
-            raise APIError("The prompt is empty: give at least one token.", 400, param)
+        try:
+            check_token_ids(ids, self.engine.config.model_config.vocab_size)
+        except ValueError as e:
+            raise APIError(str(e), 400, param) from None
+
+    def validated(self, text: str | None, token_ids: list[int], params: SamplingParams,
+                  renamed: dict[str, str] | None = None) -> ValidatedPrompt:
+        """The request validator, run once per prompt here, before the engine sees it (which then takes the
+        ValidatedPrompt as it is). `renamed`: API field names for SamplingParams' (chat's top_logprobs)."""
+        try:
+            return validate_request(text, token_ids, params, self.request_limits)
+        except ValueError as e:
+            raise _api_error(str(e), renamed, "prompt") from None
 
     @property
     def default_sampling(self) -> dict:
@@ -219,18 +225,10 @@ class ServingBase:
                 known[name] = value
             elif value not in (None, False, 0, [], {}):
                 raise APIError(f"{name} is not supported yet.", 400, name)
-        config = self.engine.config
         try:
-            params = SamplingParams(**known)
-            params.verify_for_model(config.model_config.vocab_size, config.args.max_logprobs, config.args.max_n)
-            return params
+            return SamplingParams(**known)
         except (ValueError, TypeError) as e:
-            message = str(e)
-            param = _param_of(message)
-            if param in (renamed or {}):
-                param = renamed[param]
-                message = param + message[message.index(" "):]
-            raise APIError(message, 400, param) from None
+            raise _api_error(str(e), renamed) from None
 
     # ---- structured outputs ----------------------------------------------------------------------
     @property
@@ -270,7 +268,7 @@ class ServingBase:
         return constraint
 
     # ---- running requests ------------------------------------------------------------------------
-    async def add_requests(self, items: list[tuple[str, dict, SamplingParams]], raw: Request | None = None,
+    async def add_requests(self, items: list[tuple[str, ValidatedPrompt, SamplingParams]], raw: Request | None = None,
                            deadline: Deadline | None = None):
         """Adds every (request_id, prompt, params) as one batch; all or nothing, and engine rejections become
         400s. With `raw`, a client that leaves while they are being admitted has them all aborted."""
@@ -377,6 +375,15 @@ async def before_deadline(outputs, deadline: Deadline | None):
         except TimeoutError:
             raise deadline.error() from None
         yield item
+
+
+def _api_error(message: str, renamed: dict[str, str] | None, default_param: str | None = None) -> APIError:
+    """A validation message as a 400 naming its field (in the API's spelling where `renamed` has one)."""
+    param = _param_of(message)
+    if param in (renamed or {}):
+        param = renamed[param]
+        message = param + message[message.index(" "):]
+    return APIError(message, 400, param or default_param)
 
 
 def _param_of(message: str) -> str | None:

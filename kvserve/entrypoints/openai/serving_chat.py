@@ -255,13 +255,14 @@ class ServingChat(ServingBase):
         fields = req.sampling_fields(max_tokens, req.num_logprobs)
         if constraint is not None:
             fields["structured_outputs"] = constraint
-        params = self.sampling_params(fields, {"logprobs": "top_logprobs"})
+        renamed = {"logprobs": "top_logprobs"}
+        params = self.sampling_params(fields, renamed)
+        prompt = self.validated(text, token_ids, params, renamed)
         reader = self.output_reader(plan, token_ids)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         if deadline is not None:
             deadline.request_id = request_id
-        streams = await self.add_requests([(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)],
-                                          raw, deadline)
+        streams = await self.add_requests([(request_id, prompt, params)], raw, deadline)
         created = int(time.time())
         echo = self._echo(req)
         if req.stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -64,7 +65,11 @@ class ServingCompletion(ServingBase):
             if req.echo and req.logprobs is not None and "prompt_logprobs" not in fields:
                 fields["prompt_logprobs"] = req.logprobs
             params = self.sampling_params(fields)
-            items.append((f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
+            prompt = self.validated(p.text, p.token_ids, params)
+            if p.text is None and self.tokenizer is not None and req.echo:  # ids known to be in the vocabulary
+                p.text = await self.decode(p.token_ids)
+                prompt = dataclasses.replace(prompt, text=p.text)
+            items.append((f"{request_id}-{i}", prompt, params))
         streams = await self.add_requests(items, raw, deadline)
         created = int(time.time())
         if req.stream:
@@ -85,16 +90,11 @@ class ServingCompletion(ServingBase):
                 ids = await self.encode(p, req.add_special_tokens)
                 text = p
             else:
-                self.check_token_ids(p)
                 ids, text = list(p), None
             kept = self.truncate(ids, req.truncate_prompt_tokens)
             if len(kept) != len(ids):
-                ids, text = kept, None  # the text no longer matches: echo decodes what is kept
-            if text is None and self.tokenizer is not None and req.echo:
-                text = await self.decode(ids)
+                ids, text = kept, None  # the text no longer matches: echo decodes what is kept (once validated)
             prompts.append(_Prompt(text, ids))
-            if not prompts[-1].token_ids:
-                raise APIError("The prompt is empty: give at least one token.", 400, "prompt")
         return prompts
 
     # ---- choices ---------------------------------------------------------------------------------

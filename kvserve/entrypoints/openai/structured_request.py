@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.structured_output.compiler import BACKENDS
-from kvserve.structured_output.limits import check_num_tools
+from kvserve.request_limits import check_num_tools
 from kvserve.structured_output.params import StructuredOutputsParams
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

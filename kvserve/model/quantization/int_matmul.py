@@ -68,14 +68,15 @@ def mma_config(m: int) -> tuple[int, int, int, int, int]:
     return MMA_CONFIGS[min((b for b in MMA_CONFIGS if b >= m), default=max(MMA_CONFIGS))]
 
 
-# A bucket switches to IntPath(rows, "mma", mma_config(rows)) only where `benchmarks/ab_kernels.py --only int4`
-# shows the mma kernel faster on the H200 over the four shapes; until then the earlier kernels serve.
+# Measured on the H200 (2026-12-02, `benchmarks/ab_kernels.py --only int4`, BENCHMARKS.md): summed over
+# Llama-3.1-8B's four shapes the mma kernel wins at 32, 64 and 128 rows, loses to the skinny kernel at 1-16 rows
+# and to dequantize + cuBLAS at 256 rows.
 INT_PATHS: tuple[IntPath, ...] = (
     IntPath(1, "skinny", SKINNY_M1_CONFIG),
     IntPath(SKINNY_MAX_M, "skinny", SKINNY_DOT_CONFIG),
-    IntPath(32, "dequant", None),
-    IntPath(64, "dequant", None),
-    IntPath(128, "dequant", None),
+    IntPath(32, "mma", mma_config(32)),
+    IntPath(64, "mma", mma_config(64)),
+    IntPath(128, "mma", mma_config(128)),
     IntPath(256, "dequant", None),
     IntPath(1 << 62, "dequant", None),
 )
