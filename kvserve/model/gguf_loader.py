@@ -2,9 +2,9 @@
 
 Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
 expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmo2", "gemma2", "gemma3", "phi3", "granite",
-"command-r", "cohere2" and "gpt-oss". Family settings that llama.cpp keeps outside the HF config's shape (Gemma's
-(1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers, gpt-oss's split experts) are
-turned back into HF's. A MoE layer's stacked expert tensors
+"command-r", "cohere2", "gpt-oss" and "deepseek2" (DeepSeek-V3). Family settings that llama.cpp keeps outside
+the HF config's shape (Gemma's (1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers,
+gpt-oss's split experts, DeepSeek's split kv_b) are turned back into HF's. A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
 so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
@@ -162,6 +162,47 @@ def _gpt_oss_config(meta: _Metadata, config: dict) -> dict:
     return fields
 
 
+def _deepseek_config(meta: _Metadata, config: dict) -> dict:
+    gating = int(meta.get("expert_gating_func", 2))
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.expert_gating_func {gating} (softmax) is "
+                         f"DeepSeek-V2's routing, which kvserve does not implement; DeepSeek-V3's sigmoid (2) runs")
+    rope_dim = int(meta.get("rope.dimension_count"))
+    # Newer converters record the MLA head sizes in *_mla and the absorbed cache's in key/value_length.
+    key_length = int(meta.get("attention.key_length_mla", None) or meta.get("attention.key_length"))
+    value_length = int(meta.get("attention.value_length_mla", None) or meta.get("attention.value_length"))
+    heads = config["num_attention_heads"]
+    fields = {
+        "kv_lora_rank": int(meta.get("attention.kv_lora_rank")), "q_lora_rank": meta.get("attention.q_lora_rank", None),
+        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key_length - rope_dim, "v_head_dim": value_length,
+        "head_dim": rope_dim, "num_key_value_heads": heads,  # MLA: every head reads the shared latent
+        "n_routed_experts": int(meta.get("expert_count")), "num_experts_per_tok": int(meta.get("expert_used_count")),
+        "moe_intermediate_size": int(meta.get("expert_feed_forward_length")),
+        "n_shared_experts": int(meta.get("expert_shared_count", 0)),
+        "routed_scaling_factor": float(meta.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),
+        "n_group": int(meta.get("expert_group_count", 1)), "topk_group": int(meta.get("expert_group_used_count", 1)),
+        "first_k_dense_replace": int(meta.get("leading_dense_block_count", 0)),
+    }
+    if fields["q_lora_rank"] is not None:
+        fields["q_lora_rank"] = int(fields["q_lora_rank"])
+    kind = meta.get("rope.scaling.type", "none")
+    if kind == "yarn":
+        # llama.cpp keeps 0.1 * mscale_all_dim and cancels YaRN's cos/sin factor, which HF does where
+        # mscale == mscale_all_dim (as in DeepSeek-V3's config).
+        # (The file holds the product in float32: round off what that adds.)
+        mscale = round(float(meta.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)
+        fields["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": config["rope_theta"], "factor": float(meta.get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length")),
+            "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+    elif kind != "none":
+        raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.rope.scaling.type {kind!r} is not DeepSeek-V3's "
+                         f"(yarn or none)")
+    return fields
+
+
 def _uniform(meta: _Metadata, key: str, default: float) -> float:
     """A per-layer metadata array that kvserve holds as one number: refused unless every layer agrees."""
     value = meta.get(key, None)
@@ -201,18 +242,25 @@ _ARCHS = {
                          hf_stacked_experts=True,
                          layer_tensors=(("post_attention_norm", "post_attention_layernorm"),
                                         ("attn_sinks", "self_attn.sinks"), ("ffn_gate_inp", "mlp.router"))),
-}
-# llama.cpp architectures of families kvserve runs from HF checkpoints only: what their GGUF needs that is not read.
-_NOT_READ = {
-    "deepseek2": "DeepSeek-V3 runs from its HF checkpoint; its GGUF layout (attn_kv_a_mqa, attn_k_b / attn_v_b "
-                 "latent tensors, exp_probs_b) is not read yet",
+    # llama.cpp's deepseek2 is DeepSeek-V3's layout too (sigmoid routing); its kv_b is stored split as
+    # attn_k_b (transposed) and attn_v_b by newer converters, joined back here.
+    "deepseek2": _ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", permute_qk=False, family_config=_deepseek_config,
+                           layer_tensors=(("attn_q_a", "self_attn.q_a_proj"), ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+                                          ("attn_q_b", "self_attn.q_b_proj"),
+                                          ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+                                          ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+                                          ("attn_kv_b", "self_attn.kv_b_proj"),
+                                          ("exp_probs_b", "mlp.gate.e_score_correction_bias"),
+                                          ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
+                                          ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+                                          ("ffn_down_shexp", "mlp.shared_experts.down_proj"))),
 }
 # Config-carrying tensors: read into the config by the family (Phi-3's LongRoPE factors), not weights.
 _CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
 # llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
 _MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
 # HF parameters that are not a module's weight: GGUF's blk.N.attn_sinks.weight is HF's self_attn.sinks.
-_BARE_PARAMETERS = {"self_attn.sinks"}
+_BARE_PARAMETERS = {"self_attn.sinks", "mlp.gate.e_score_correction_bias"}
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -298,8 +346,6 @@ def _metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
 def _architecture(reader: GGUFReader) -> tuple[str, _ArchSpec]:
     arch = _metadata(reader, "general.architecture")
     spec = _ARCHS.get(arch)
-    if spec is None and arch in _NOT_READ:
-        raise ValueError(f"{_file_name(reader)}: GGUF architecture {arch!r} is not supported: {_NOT_READ[arch]}.")
     if spec is None:
         raise ValueError(
             f"{_file_name(reader)}: Unsupported GGUF architecture {arch!r}; kvserve can load: "
@@ -373,7 +419,7 @@ def read_gguf_config(source: GGUFSource) -> dict:
     if spec.family_config is not None:
         config.update(spec.family_config(_Metadata(reader, arch), config))
     experts = int(arch_key("expert_count", 0) or 0)
-    if experts:
+    if experts and arch in _MOE_RENORMALISE:  # (DeepSeek's family config holds its own MoE fields)
         config.update(_moe_config(arch, arch_key, experts, config["intermediate_size"]))
     for name in ("bos", "eos"):
         token_id = _metadata(reader, f"tokenizer.ggml.{name}_token_id", None)
@@ -421,7 +467,7 @@ def gguf_to_hf_name(gguf_name: str, spec: _ArchSpec | None = None) -> str:
     if len(parts) == 1 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
-        if layer_tensors[parts[2]] in _BARE_PARAMETERS and suffix == "weight":
+        if layer_tensors[parts[2]] in _BARE_PARAMETERS:
             return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
         return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known transformers equivalent")
@@ -455,8 +501,12 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
     _, spec = _architecture(reader)
     config = read_gguf_config(reader) if spec.permute_qk else None
     gate_up_halves: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    latent_halves: dict[str, dict[str, np.ndarray]] = {}
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
+            continue
+        if tensor.name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
+            yield from _joined_kv_b(tensor.name, _dequantize_tensor(tensor), latent_halves)
             continue
         stem, suffix = tensor.name.rsplit(".", 1)
         if stem.split(".")[-1] in _EXPERT_TENSORS and spec.hf_stacked_experts:
@@ -486,6 +536,24 @@ def iter_gguf_weights(source: GGUFSource) -> Iterator[tuple[str, torch.Tensor]]:
         have, lack = next(iter(halves)), ({"ffn_gate_exps", "ffn_up_exps"} - set(halves)).pop()
         raise ValueError(f"{_file_name(reader)}: blk.{layer}.{have}.{suffix} has no blk.{layer}.{lack}.{suffix}; "
                          f"gpt-oss's experts need both")
+    for layer, halves in latent_halves.items():
+        have, lack = next(iter(halves)), ({"attn_k_b", "attn_v_b"} - set(halves)).pop()
+        raise ValueError(f"{_file_name(reader)}: blk.{layer}.{have}.weight has no blk.{layer}.{lack}.weight; "
+                         f"DeepSeek's kv_b_proj needs both")
+
+
+def _joined_kv_b(name: str, weights: np.ndarray, latent_halves: dict):
+    """DeepSeek: attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank] back into HF's kv_b_proj
+    [heads * (nope + v), rank] (per head, the k_nope rows then the v rows)."""
+    _, layer, kind, _ = name.split(".")
+    halves = latent_halves.setdefault(layer, {})
+    halves[kind] = weights
+    if len(halves) < 2:
+        return
+    del latent_halves[layer]
+    k_b, v_b = halves["attn_k_b"].swapaxes(1, 2), halves["attn_v_b"]
+    joined = np.concatenate([k_b, v_b], axis=1).reshape(-1, k_b.shape[2])
+    yield f"model.layers.{int(layer)}.self_attn.kv_b_proj.weight", torch.from_numpy(np.ascontiguousarray(joined))
 
 
 def _hf_stacked_expert(stem: str, suffix: str, stacked: np.ndarray, gate_up_halves: dict):

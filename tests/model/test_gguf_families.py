@@ -16,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.cli import main as cli_main
 from kvserve.model.gguf_loader import iter_gguf_weights, read_gguf_config
 from kvserve.model.model_config import ModelConfig
-from tests.conftest import WINDOW, hf_greedy, random_prompts
+from tests.conftest import WINDOW, _tiny_config, hf_greedy, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -49,6 +49,10 @@ FAMILIES = {
     "cohere2": ("cohere2", {}),
     # llama.cpp's gpt-oss graph clamps the SwiGLU at 7 (GGUF has no key for it).
     "gpt-oss": ("gpt-oss", {"swiglu_limit": 7.0}),
+    # llama.cpp cancels YaRN's cos/sin factor, as HF does where mscale == mscale_all_dim (DeepSeek-V3's own).
+    "deepseek_v3": ("deepseek2", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8, "rope_theta": 10000.0}}),
 }
 
 
@@ -58,14 +62,20 @@ def _family_model(arch: str, tiny_model_factory):
         return tiny_model_factory(arch)[1]
     import transformers
 
-    from tests.conftest import _tiny_config
-    from tests.model.test_models_gpt_oss import _hf_config
+    from tests.model import test_models_deepseek, test_models_gpt_oss
 
-    cfg = _hf_config() if arch == "gpt-oss" else _tiny_config(arch)
-    for key, value in changes.items():
-        setattr(cfg, key, value)
+    if arch == "deepseek_v3":
+        cfg = test_models_deepseek._hf_config(**changes)
+    else:
+        cfg = test_models_gpt_oss._hf_config() if arch == "gpt-oss" else _tiny_config(arch)
+        for key, value in changes.items():
+            setattr(cfg, key, value)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if arch == "deepseek_v3":
+        with torch.no_grad():  # HF starts the correction bias at zero: make it steer the choice
+            for layer in model.model.layers[cfg.first_k_dense_replace:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     if arch == "gpt-oss":
         with torch.no_grad():  # HF initialises the expert biases to zero and the sinks small: make them count
             for layer in model.model.layers:
@@ -136,6 +146,30 @@ def _write_metadata(writer, cfg, gguf_arch: str) -> None:
         writer.add_string(f"{gguf_arch}.rope.scaling.type", "yarn")
         f32("rope.scaling.factor", rope["factor"])
         u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    if gguf_arch == "deepseek2":  # convert_hf_to_gguf's DeepseekV2Model, MLA sizes as its newer versions write them
+        u32("attention.head_count_kv", 1)
+        u32("attention.q_lora_rank", cfg.q_lora_rank)
+        u32("attention.kv_lora_rank", cfg.kv_lora_rank)
+        u32("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        u32("attention.value_length", cfg.kv_lora_rank)
+        u32("attention.key_length_mla", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        u32("attention.value_length_mla", cfg.v_head_dim)
+        u32("rope.dimension_count", cfg.qk_rope_head_dim)
+        u32("leading_dense_block_count", cfg.first_k_dense_replace)
+        u32("expert_feed_forward_length", cfg.moe_intermediate_size)
+        u32("expert_count", cfg.n_routed_experts)
+        u32("expert_used_count", cfg.num_experts_per_tok)
+        u32("expert_shared_count", cfg.n_shared_experts)
+        f32("expert_weights_scale", cfg.routed_scaling_factor)
+        writer.add_bool(f"{gguf_arch}.expert_weights_norm", cfg.norm_topk_prob)
+        softmax = getattr(cfg, "scoring_func", "sigmoid") == "softmax"  # DeepSeek-V2's routing
+        u32("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX if softmax else gguf.ExpertGatingFuncType.SIGMOID)
+        u32("expert_group_count", cfg.n_group)
+        u32("expert_group_used_count", cfg.topk_group)
+        writer.add_string(f"{gguf_arch}.rope.scaling.type", "yarn")
+        f32("rope.scaling.factor", rope["factor"])
+        u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        f32("rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
 
 
 def _gpt_oss_split(hf_param: str, w: np.ndarray):
@@ -154,7 +188,28 @@ def _gpt_oss_split(hf_param: str, w: np.ndarray):
         yield f"ffn_up_exps.{'bias' if bias else 'weight'}", rows[:, 1::2]
 
 
-def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> None:
+def _deepseek_split(cfg, layer: str, module: str, suffix: str, w: np.ndarray, expert_stacks: dict):
+    """convert_hf_to_gguf's DeepseekV2Model: kv_b_proj split per head into attn_k_b (transposed) and attn_v_b,
+    the correction bias as exp_probs_b, the routed experts stacked [E, out, in] once a layer's are all seen."""
+    if module == "mlp.gate" and suffix == "e_score_correction_bias":
+        yield "exp_probs_b.bias", w
+    elif module == "mlp.gate":
+        yield "ffn_gate_inp.weight", w
+    elif module == "self_attn.kv_b_proj":
+        kv_b = w.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, w.shape[-1])
+        yield "attn_k_b.weight", kv_b[:, :cfg.qk_nope_head_dim].swapaxes(1, 2)
+        yield "attn_v_b.weight", kv_b[:, cfg.qk_nope_head_dim:]
+    else:  # mlp.experts.E.{gate,up,down}_proj
+        _, _, expert, proj = module.split(".")
+        stack = expert_stacks.setdefault((layer, proj), {})
+        stack[int(expert)] = w
+        if len(stack) == cfg.n_routed_experts:
+            del expert_stacks[(layer, proj)]
+            yield f"ffn_{proj.split('_')[0]}_exps.weight", np.stack([stack[e] for e in range(len(stack))])
+
+
+def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> dict:
+    """Returns the HF checkpoint's tensors (as save_pretrained writes them) that the file was made from."""
     from safetensors.torch import load_file
 
     from kvserve.model import gguf_loader
@@ -173,6 +228,7 @@ def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_model.save_pretrained(tmp)
         state = load_file(f"{tmp}/model.safetensors")
+    expert_stacks: dict = {}
     for name, tensor in state.items():
         w = tensor.float().numpy()
         if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
@@ -191,6 +247,10 @@ def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> None:
                 else:
                     writer.add_tensor(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(value))
             continue
+        if gguf_arch == "deepseek2" and (module == "mlp.gate" or ".experts." in name or "kv_b_proj" in name):
+            for gguf_name, value in _deepseek_split(cfg, layer, module, suffix, w, expert_stacks):
+                writer.add_tensor(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(value))
+            continue
         if gguf_arch == "granite" and module == "self_attn.q_proj":
             w = _llama_permute(w, cfg.num_attention_heads)
         elif gguf_arch == "granite" and module == "self_attn.k_proj":
@@ -200,6 +260,7 @@ def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return state
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -207,16 +268,15 @@ def test_gguf_family_matches_hf_and_plans(tiny_model_factory, tmp_path, capsys, 
     gguf_arch = FAMILIES[arch][0]
     hf_model = _family_model(arch, tiny_model_factory)
     path = tmp_path / f"{arch}.gguf"
-    _write_gguf(hf_model, gguf_arch, path)
+    expected = _write_gguf(hf_model, gguf_arch, path)
     # What llama.cpp keeps out of the tensors' shapes (caps, multipliers, rope, windows) becomes the same
     # kvserve config as the HF checkpoint's; greedy tokens alone miss some (a logit scale keeps the argmax).
     assert _as_float32(asdict(ModelConfig.from_hf_dict(read_gguf_config(path)))) == \
         _as_float32(asdict(ModelConfig.from_hf_dict(hf_model.config.to_dict())))
-    expected = hf_model.state_dict()
     loaded = dict(iter_gguf_weights(path))
     assert set(expected) - set(loaded) <= {"lm_head.weight"} and set(loaded) <= set(expected)
     for name, tensor in loaded.items():  # Gemma's norms come back from 1 + w: equal up to fp32 rounding
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(tensor, expected[name].float(), rtol=0, atol=1e-6, msg=name)
     prompts = random_prompts(3, WINDOW, 3 * WINDOW, seed=17)
     llm = LLM(str(path), max_model_len=256, kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True,
               max_num_batched_tokens=32, max_num_seqs=4)
@@ -265,36 +325,26 @@ def _metadata_only_gguf(path, gguf_arch: str, hf_config, extra) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("arch,extra,match", [
-    ("gemma3", lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), r"gemma3\.rope\.scaling\.type 'yarn'"),
-    ("phi3-longrope", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32)),
-     r"rope_factors_short\.weight"),
-    ("phi3-longrope", lambda w: [w.add_tensor(f"rope_factors_{k}.weight", np.ones(4, dtype=np.float32))
-                                 for k in ("long", "short")], r"rope\.scaling\.original_context_length"),
-])
-def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, extra, match):
-    from tests.conftest import _tiny_config
+def _no_extra(writer) -> None:
+    pass
 
+
+@pytest.mark.parametrize("arch,changes,extra,match", [
+    ("gemma3", {}, lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), r"gemma3\.rope\.scaling\.type 'yarn'"),
+    # the factors without the original length the converter writes beside them; then one factor alone
+    ("phi3-longrope", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     lambda w: [w.add_tensor(f"rope_factors_{k}.weight", np.ones(4, dtype=np.float32)) for k in ("long", "short")],
+     r"rope\.scaling\.original_context_length"),
+    ("phi3-longrope", {}, lambda w: w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32)),
+     r"rope_factors_short\.weight"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, _no_extra, r"deepseek2\.expert_gating_func 1 \(softmax\)"),
+])
+def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, changes, extra, match):
     gguf_arch = FAMILIES[arch][0]
-    cfg = _tiny_config(arch)
-    if gguf_arch == "phi3":  # the factors alone, without the original length the converter writes beside them
-        cfg.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k != "original_max_position_embeddings"}
+    cfg = _family_model(arch, None).config if arch == "deepseek_v3" else _tiny_config(arch)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
     path = tmp_path / f"{arch}.gguf"
     _metadata_only_gguf(path, gguf_arch, cfg, extra)
     with pytest.raises(ValueError, match=match):
         read_gguf_config(path)
-
-
-@pytest.mark.parametrize("gguf_arch,match", [("deepseek2", "attn_kv_a_mqa")])
-def test_gguf_of_families_run_from_hf_only_is_refused_by_name(tmp_path, gguf_arch, match):
-    path = tmp_path / f"{gguf_arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=f"GGUF architecture '{gguf_arch}' is not supported: .*{match}"):
-        read_gguf_config(path)
-    with pytest.raises(ValueError, match=f"'{gguf_arch}'"):
-        LLM(str(path), skip_tokenizer_init=True)
