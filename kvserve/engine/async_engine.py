@@ -35,7 +35,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from kvserve.background import in_background
-from kvserve.config import EngineArgs
+from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.engine_core import PING, STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
 from kvserve.inputs import parse_prompt
@@ -164,11 +164,14 @@ class AsyncEngine:
     """`use_process=True` (the server's choice) runs the EngineCore in a child process; False runs it on a
     thread of this process (quicker to start; for tests and embedding)."""
 
-    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True,
-                 max_waiting_sequences: int | None = None):
-        """`max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a batch
-        that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
-        self.args = args
+    def __init__(self, args: EngineArgs | EngineConfig, metrics: EngineMetrics | None = None,
+                 use_process: bool = True, max_waiting_sequences: int | None = None):
+        """`args`: an EngineConfig already resolved (the server's), or EngineArgs resolved at start() on this
+        process's loading thread. Either way the engine core is handed the resolved config, never resolving
+        it again. `max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a
+        batch that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
+        self._given_config = args if isinstance(args, EngineConfig) else None
+        self.args = args.args if isinstance(args, EngineConfig) else args
         self.max_waiting_sequences = max_waiting_sequences
         self.metrics = metrics
         self.use_process = use_process
@@ -362,7 +365,7 @@ class AsyncEngine:
         try:
             from kvserve.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine(self.args)
+            engine = LLMEngine(self._resolved_config())
             tokenizer = self._load_tokenizer(engine.config)
         except BaseException as e:  # reported to the server, which exits
             logger.exception("Engine failed to start")
@@ -393,9 +396,10 @@ class AsyncEngine:
         """Starts the engine process, then receives its batches (this thread) while another sends commands."""
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=run_engine_core_process, args=(self.args, child_conn),
-                                    name="kvserve-engine-core", daemon=True)
         try:
+            config = self._resolved_config()
+            self._process = ctx.Process(target=run_engine_core_process, args=(config, child_conn),
+                                        name="kvserve-engine-core", daemon=True)
             self._process.start()
             # It ignores SIGTERM (group signals must not kill it under the drain), so multiprocessing's own
             # exit handler, which terminates and then joins, would wait on it for ever: this runs first.
@@ -403,20 +407,18 @@ class AsyncEngine:
                                                          exitpriority=10)
             logger.info("Engine core process started (pid %d)", self._process.pid)
             child_conn.close()
+            # This side's tokenizer loads while the engine process loads the model.
+            tokenizer_future = in_background(self._load_tokenizer, config)
             kind, payload = conn.recv()
-            tokenizer_future = None
-            if kind == "config":  # load the tokenizer here while the engine process loads the model
-                tokenizer_future = in_background(self._load_tokenizer, payload)
-                kind, payload = conn.recv()
             if kind != "ready":
                 raise RuntimeError(f"The engine process failed to start: {payload}")
-            tokenizer = tokenizer_future.result() if tokenizer_future else self._load_tokenizer(payload)
+            tokenizer = tokenizer_future.result()
         except BaseException as e:  # reported to the server, which exits
             logger.error("Engine failed to start: %s", e)
             self._post(self._on_started, None, None, e)
             return
         self._heard()
-        self._post(self._on_started, payload, tokenizer, None)
+        self._post(self._on_started, config, tokenizer, None)
         self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
         # Wait on the pipe and on the process itself: a grandchild holding the pipe open must not hide the
         # engine's death, which is noticed at once either way (vLLM's EngineDeadError).
@@ -451,6 +453,9 @@ class AsyncEngine:
                 return
             if STOP in commands:
                 return
+
+    def _resolved_config(self) -> EngineConfig:
+        return self._given_config if self._given_config is not None else self.args.create_engine_config()
 
     def _load_tokenizer(self, config):
         if self.args.skip_tokenizer_init:
