@@ -90,8 +90,8 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.finished = False  # nothing more will come from the engine
         self._delivered_final = False
-        self.first_token_seen = False
-        self.num_generated: dict[int, int] = {}  # sample index -> tokens so far
+        # The engine's token counts (RequestMetrics) already added to the counters: prompt, generated.
+        self.counted = (0, 0)
         self.finish_reasons: dict[int, str] = {}
 
     def put(self, out: RequestOutput) -> None:
@@ -536,25 +536,22 @@ class AsyncEngine:
                 listener(batch.kv_snapshot)
 
     def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
-        """Prompt and generated tokens this output adds (for the counters and the throughput log)."""
-        new = 0
+        """Prompt and generated tokens this output adds to the counters (and the throughput log): the
+        growth of the engine's own count for the request. A prompt counts once its first token is out."""
         for c in out.outputs:
-            before = stream.num_generated.get(c.index, 0)
-            total = before + len(c.token_ids) if stream.kind == RequestOutputKind.DELTA else len(c.token_ids)
-            stream.num_generated[c.index] = total
-            new += total - before
             if c.finish_reason is not None:
                 stream.finish_reasons[c.index] = c.finish_reason
-        prompt = 0
-        if not stream.first_token_seen and new:
-            stream.first_token_seen = True
-            prompt = len(out.prompt_token_ids)
+        counted_prompt, counted_generated = stream.counted
+        generated = out.metrics.num_generation_tokens
+        prompt = out.metrics.num_prompt_tokens if generated else 0
+        stream.counted = (prompt, generated)
+        if not counted_generated and generated:
             if self.metrics is not None:
                 m = out.metrics
                 first = m.first_token_time if m is not None and m.first_token_time else time.time()
                 # From when the server took the request, not when the engine did: what a client waits.
                 self.metrics.observe_first_token(max(first - stream.arrival, 0.0))
-        return prompt, new
+        return prompt - counted_prompt, generated - counted_generated
 
     def _observe_finished(self, stream: RequestStream, out: RequestOutput) -> None:
         if self.metrics is None:
@@ -566,7 +563,7 @@ class AsyncEngine:
         if m is not None and m.first_scheduled_time is not None:
             queue_time = max(m.first_scheduled_time - arrival, 0.0)
         tpot = None
-        most = max(stream.num_generated.values(), default=0)
+        most = max(m.sample_generation_tokens, default=0) if m is not None else 0
         if m is not None and m.first_token_time is not None and most > 1:
             tpot = (finished - m.first_token_time) / (most - 1)
         reason = stream.finish_reasons.get(0) or next(iter(stream.finish_reasons.values()), "stop")
