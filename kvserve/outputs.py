@@ -47,6 +47,7 @@ class RequestMetrics:
     # counters and the dashboard (which reads those counters) all read these, so they agree.
     num_prompt_tokens: int = 0
     sample_generation_tokens: list[int] = field(default_factory=list)  # output tokens of each sample, by index
+    finish_reason: str | None = None  # the request's, once finished: its first sample's ("stop", "length", ...)
 
     @property
     def num_generation_tokens(self) -> int:

@@ -92,7 +92,6 @@ class RequestStream:
         self._delivered_final = False
         # The engine's token counts (RequestMetrics) already added to the counters: prompt, generated.
         self.counted = (0, 0)
-        self.finish_reasons: dict[int, str] = {}
 
     def put(self, out: RequestOutput) -> None:
         if self._pending is not None and self.kind == RequestOutputKind.DELTA:
@@ -538,9 +537,6 @@ class AsyncEngine:
     def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
         """Prompt and generated tokens this output adds to the counters (and the throughput log): the
         growth of the engine's own count for the request. A prompt counts once its first token is out."""
-        for c in out.outputs:
-            if c.finish_reason is not None:
-                stream.finish_reasons[c.index] = c.finish_reason
         counted_prompt, counted_generated = stream.counted
         generated = out.metrics.num_generation_tokens
         prompt = out.metrics.num_prompt_tokens if generated else 0
@@ -566,5 +562,5 @@ class AsyncEngine:
         most = max(m.sample_generation_tokens, default=0) if m is not None else 0
         if m is not None and m.first_token_time is not None and most > 1:
             tpot = (finished - m.first_token_time) / (most - 1)
-        reason = stream.finish_reasons.get(0) or next(iter(stream.finish_reasons.values()), "stop")
+        reason = (m.finish_reason if m is not None else None) or "stop"
         self.metrics.observe_finished(FinishedRequest(reason, finished - arrival, queue_time, tpot))
