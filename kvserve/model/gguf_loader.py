@@ -7,7 +7,8 @@ the HF config's shape (Gemma's (1 + w) norm weights, Phi-3's LongRoPE factor ten
 gpt-oss's split experts, DeepSeek's split kv_b) are turned back into HF's. A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
-so the tensors are bit-identical to ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
+so for the architectures transformers reads the tensors are bit-identical to
+``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def _deepseek_config(meta: _Metadata, config: dict) -> dict:
     value_length = int(meta.get("attention.value_length_mla", None) or meta.get("attention.value_length"))
     heads = config["num_attention_heads"]
     fields = {
-        "kv_lora_rank": int(meta.get("attention.kv_lora_rank")), "q_lora_rank": meta.get("attention.q_lora_rank", None),
+        "kv_lora_rank": int(meta.get("attention.kv_lora_rank")),
+        "q_lora_rank": meta.get("attention.q_lora_rank", None),
         "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key_length - rope_dim, "v_head_dim": value_length,
         "head_dim": rope_dim, "num_key_value_heads": heads,  # MLA: every head reads the shared latent
         "n_routed_experts": int(meta.get("expert_count")), "num_experts_per_tok": int(meta.get("expert_used_count")),
@@ -196,7 +198,8 @@ def _deepseek_config(meta: _Metadata, config: dict) -> dict:
             "rope_type": "yarn", "rope_theta": config["rope_theta"], "factor": float(meta.get("rope.scaling.factor")),
             "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length")),
             "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+            "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale, "mscale_all_dim": mscale}
     elif kind != "none":
         raise ValueError(f"{_file_name(meta.reader)}: {meta.arch}.rope.scaling.type {kind!r} is not DeepSeek-V3's "
                          f"(yarn or none)")
@@ -245,7 +248,8 @@ _ARCHS = {
     # llama.cpp's deepseek2 is DeepSeek-V3's layout too (sigmoid routing); its kv_b is stored split as
     # attn_k_b (transposed) and attn_v_b by newer converters, joined back here.
     "deepseek2": _ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", permute_qk=False, family_config=_deepseek_config,
-                           layer_tensors=(("attn_q_a", "self_attn.q_a_proj"), ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+                           layer_tensors=(("attn_q_a", "self_attn.q_a_proj"),
+                                          ("attn_q_a_norm", "self_attn.q_a_layernorm"),
                                           ("attn_q_b", "self_attn.q_b_proj"),
                                           ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
                                           ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
