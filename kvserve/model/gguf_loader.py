@@ -3,7 +3,8 @@
 Supports the llama.cpp architectures "llama" (also used for Mistral and SmolLM GGUFs, and for Mixtral with
 expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmo2", "gemma2", "gemma3", "phi3", "granite",
 "command-r", "cohere2", "gpt-oss" and "deepseek2" (DeepSeek-V3). Family settings that llama.cpp keeps outside
-the HF config's shape (Gemma's (1 + w) norm weights, Phi-3's LongRoPE factor tensors, Granite's multipliers,
+the HF config's shape (Gemma's (1 + w) norm weights, Phi-3's LongRoPE factor tensors, Llama 3's rope_freqs
+tensor, Granite's multipliers,
 gpt-oss's split experts, DeepSeek's split kv_b) are turned back into HF's. A MoE layer's stacked expert tensors
 (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block is named `mlp` (as in Qwen's
 checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
@@ -218,6 +219,63 @@ def _uniform(meta: _Metadata, key: str, default: float) -> float:
     return float(values.pop())
 
 
+def _llama3_rope_parameters(meta: _Metadata, config: dict, divisors: np.ndarray) -> dict:
+    """HF's llama3 rope_parameters behind llama.cpp's rope_freqs tensor (inv_freq[i] / rope_freqs[i]).
+
+    The tensor fixes only the band edges' wavelengths (original / low_freq_factor, original / high_freq_factor),
+    so the split into the three HF numbers takes what the file records (rope.scaling.*) and otherwise
+    low_freq_factor 1 (every released Llama 3); the result is accepted only if it recomputes the tensor."""
+    name = _file_name(meta.reader)
+    if config["rope_parameters"].get("rope_type", "default") != "default":
+        raise ValueError(f"{name}: rope_freqs.weight on top of {config['rope_parameters']['rope_type']} rope "
+                         f"scaling is not supported")
+    theta, dim = config["rope_theta"], int(config["head_dim"] * config.get("partial_rotary_factor", 1.0))
+    if divisors.shape != (dim // 2,):
+        raise ValueError(f"{name}: rope_freqs.weight has shape {list(divisors.shape)}; the rotary dimension "
+                         f"{dim} needs {dim // 2} frequency divisors")
+    divisors = divisors.astype(np.float64)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = float(meta.get("rope.scaling.factor", divisors.max()))
+    original = meta.get("rope.scaling.original_context_length", None)
+    mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    # smooth = (original / wavelen - low) / (high - low), linear in 1 / wavelen across the middle band
+    smooth = (1 / divisors[mid] - 1 / factor) / (1 - 1 / factor) if factor > 1 else divisors[mid]
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(1 / wavelen[mid], smooth, 1)
+        if original is None:
+            low = 1.0
+            span = -1 / intercept if intercept else np.inf
+            original = slope * span
+        else:
+            span = float(original) / slope
+            low = -intercept * span
+        high = low + span
+    else:  # one or no point inside the band: HF's default factors, the length from the file or the point
+        low, high = 1.0, 4.0
+        if original is None:
+            original = wavelen[mid][0] * (low + smooth[0] * (high - low)) if mid.any() else 8192
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": round(factor, 4),
+            "low_freq_factor": round(float(low), 4), "high_freq_factor": round(float(high), 4),
+            "original_max_position_embeddings": int(round(float(original)))}
+    if not np.all(np.isfinite([low, high])) or not np.allclose(_llama3_divisors(rope, wavelen), divisors,
+                                                               rtol=1e-5, atol=0):
+        raise ValueError(f"{name}: rope_freqs.weight {np.round(divisors, 4).tolist()} is not Llama 3's rope "
+                         f"scaling for any factor, low/high_freq_factor and original context length; kvserve "
+                         f"reads rope_freqs only as rope_type llama3")
+    return rope
+
+
+def _llama3_divisors(rope: dict, wavelen: np.ndarray) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs for HF's llama3 rope_parameters."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    if low >= high:
+        return np.full_like(wavelen, np.nan)
+    smooth = (original / wavelen - low) / (high - low)
+    return np.where(wavelen < original / high, 1.0,
+                    np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+
+
 _ARCHS = {
     "llama": _ArchSpec("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", "qwen2", permute_qk=False),
@@ -259,8 +317,8 @@ _ARCHS = {
                                           ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
                                           ("ffn_down_shexp", "mlp.shared_experts.down_proj"))),
 }
-# Config-carrying tensors: read into the config by the family (Phi-3's LongRoPE factors), not weights.
-_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
+# Config-carrying tensors, read into the config (Phi-3's LongRoPE factors, Llama 3's rope_freqs), not weights.
+_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"}
 # llama.cpp's MoE graphs: whether the top-k routing weights are renormalised (its norm_w), per architecture.
 _MOE_RENORMALISE = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
 # HF parameters that are not a module's weight: GGUF's blk.N.attn_sinks.weight is HF's self_attn.sinks.
@@ -422,6 +480,9 @@ def read_gguf_config(source: GGUFSource) -> dict:
         config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     if spec.family_config is not None:
         config.update(spec.family_config(_Metadata(reader, arch), config))
+    if "rope_freqs.weight" in tensors:
+        meta = _Metadata(reader, arch)
+        config["rope_parameters"] = _llama3_rope_parameters(meta, config, meta.tensor("rope_freqs.weight"))
     experts = int(arch_key("expert_count", 0) or 0)
     if experts and arch in _MOE_RENORMALISE:  # (DeepSeek's family config holds its own MoE fields)
         config.update(_moe_config(arch, arch_key, experts, config["intermediate_size"]))
