@@ -6,8 +6,8 @@ expert_count set), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmo2", "gemma2", 
 the HF config's shape (Gemma's (1 + w) norm weights, Phi-3's LongRoPE factor tensors, Llama 3's rope_freqs
 tensor, Granite's multipliers, gpt-oss's split experts, DeepSeek's split kv_b) are turned back into HF's. A MoE
 layer's stacked expert tensors (ffn_*_exps, [E, out, in]) are yielded per expert under HF's names; the MoE block
-is named `mlp` (as in Qwen's checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py exactly as transformers does,
-so for the architectures transformers reads the tensors are bit-identical to
+is named `mlp` (as in Qwen's checkpoints; kvserve's Mixtral reads both). Weights are dequantised with gguf-py
+exactly as transformers does, so for the architectures transformers reads the tensors are bit-identical to
 ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``.
 """
 
