@@ -4,6 +4,7 @@ greedy tokens, and `kvserve plan` reads them."""
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from dataclasses import asdict
@@ -38,6 +39,8 @@ def _as_float32(value):
 # Gemma's query_pre_attn_scalar is head_dim here because llama.cpp derives it (GGUF has no key for it), and
 # Gemma 3 has six layers because llama.cpp makes every sixth layer full.
 FAMILIES = {
+    # Llama 3's rope scaling (the tiny llama's) reaches GGUF as the rope_freqs tensor.
+    "llama": ("llama", {}),
     "olmo2": ("olmo2", {}),
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
     "gemma3": ("gemma3", {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
@@ -88,6 +91,28 @@ def _family_model(arch: str, tiny_model_factory):
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     # convert_hf_to_gguf's LlamaModel.permute: rotate-half rope rows become llama.cpp's interleaved pairs.
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.generate_extra_tensors: the divisor of each rope frequency, float32."""
+    import math
+
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high:
+            divisors.append(1)
+        elif wavelen > old_context_len / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32).numpy()
 
 
 def _write_metadata(writer, cfg, gguf_arch: str) -> None:
@@ -225,6 +250,8 @@ def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> dict:
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               np.asarray(cfg.rope_parameters[f"{kind}_factor"], dtype=np.float32))
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         hf_model.save_pretrained(tmp)
         state = load_file(f"{tmp}/model.safetensors")
@@ -251,9 +278,9 @@ def _write_gguf(hf_model, gguf_arch: str, path, expert_type=None) -> dict:
             for gguf_name, value in _deepseek_split(cfg, layer, module, suffix, w, expert_stacks):
                 writer.add_tensor(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(value))
             continue
-        if gguf_arch == "granite" and module == "self_attn.q_proj":
+        if gguf_arch in ("llama", "granite") and module == "self_attn.q_proj":
             w = _llama_permute(w, cfg.num_attention_heads)
-        elif gguf_arch == "granite" and module == "self_attn.k_proj":
+        elif gguf_arch in ("llama", "granite") and module == "self_attn.k_proj":
             w = _llama_permute(w, cfg.num_key_value_heads)
         writer.add_tensor(f"blk.{layer}.{to_gguf[module]}.{suffix}", np.ascontiguousarray(w))
     writer.write_header_to_file()
@@ -337,6 +364,11 @@ def _no_extra(writer) -> None:
      r"rope\.scaling\.original_context_length"),
     ("phi3-longrope", {}, lambda w: w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32)),
      r"rope_factors_short\.weight"),
+    # divisors of no llama3 parameters (a straight ramp), then too few of them for the head
+    ("llama", {}, lambda w: w.add_tensor("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32)),
+     r"rope_freqs\.weight \[.*\] is not Llama 3's rope scaling"),
+    ("llama", {}, lambda w: w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32)),
+     r"rope_freqs\.weight has shape \[4\]; the rotary dimension 16 needs 8"),
     ("deepseek_v3", {"scoring_func": "softmax"}, _no_extra, r"deepseek2\.expert_gating_func 1 \(softmax\)"),
 ])
 def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, changes, extra, match):
@@ -348,3 +380,45 @@ def test_family_setting_kvserve_cannot_read_is_named(tmp_path, arch, changes, ex
     _metadata_only_gguf(path, gguf_arch, cfg, extra)
     with pytest.raises(ValueError, match=match):
         read_gguf_config(path)
+
+
+def _rope_sensitive_llama(rope_parameters=None):
+    """The tiny Llama 3 with sharp attention, so that where tokens attend (hence rope) decides the next token."""
+    import transformers
+
+    cfg = _tiny_config("llama")
+    if rope_parameters is not None:
+        cfg.rope_parameters = rope_parameters
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj, scale in ((layer.self_attn.q_proj, 6), (layer.self_attn.k_proj, 6), (layer.self_attn.v_proj, 4)):
+                proj.weight.mul_(scale)
+    return model
+
+
+def test_llama3_rope_freqs_matches_hf_beyond_the_original_context(tmp_path):
+    """Llama 3.1 / 3.2 GGUFs carry their rope scaling only as rope_freqs: kvserve reads back HF's
+    rope_parameters and HF's greedy tokens on prompts longer than the original context."""
+    hf_model = _rope_sensitive_llama()
+    rope = dict(hf_model.config.rope_parameters)
+    assert rope["rope_type"] == "llama3"
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(hf_model, "llama", path)
+    config = read_gguf_config(path)
+    assert _as_float32(config["rope_parameters"]) == _as_float32(rope)
+    assert ModelConfig.from_hf_dict(config).rope_scaling == \
+        ModelConfig.from_hf_dict(hf_model.config.to_dict()).rope_scaling
+    original = rope["original_max_position_embeddings"]
+    prompts = random_prompts(2, original + 8, original + 40, seed=5)
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True,
+              max_num_batched_tokens=64, max_num_seqs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # The scaling decides these tokens: the same weights with unscaled rope choose others.
+    unscaled = _rope_sensitive_llama({"rope_type": "default", "rope_theta": rope["rope_theta"]})
+    unscaled.load_state_dict(hf_model.state_dict())
+    assert hf_greedy(unscaled, prompts, MAX_TOKENS) != expected
