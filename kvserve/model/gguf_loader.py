@@ -233,34 +233,37 @@ def _llama3_rope_parameters(meta: _Metadata, config: dict, divisors: np.ndarray)
         raise ValueError(f"{name}: rope_freqs.weight has shape {list(divisors.shape)}; the rotary dimension "
                          f"{dim} needs {dim // 2} frequency divisors")
     divisors = divisors.astype(np.float64)
+    not_llama3 = ValueError(f"{name}: rope_freqs.weight {np.round(divisors, 4).tolist()} is not Llama 3's rope "
+                            f"scaling for any factor, low/high_freq_factor and original context length; kvserve "
+                            f"reads rope_freqs only as rope_type llama3")
     wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if np.all(divisors == 1):  # llama3 with factor 1: the unscaled frequencies
+        return config["rope_parameters"]
     factor = float(meta.get("rope.scaling.factor", divisors.max()))
     original = meta.get("rope.scaling.original_context_length", None)
+    if not factor > 1:
+        raise not_llama3
     mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
     # smooth = (original / wavelen - low) / (high - low), linear in 1 / wavelen across the middle band
-    smooth = (1 / divisors[mid] - 1 / factor) / (1 - 1 / factor) if factor > 1 else divisors[mid]
-    if mid.sum() >= 2:
-        slope, intercept = np.polyfit(1 / wavelen[mid], smooth, 1)
-        if original is None:
-            low = 1.0
-            span = -1 / intercept if intercept else np.inf
-            original = slope * span
-        else:
-            span = float(original) / slope
-            low = -intercept * span
-        high = low + span
-    else:  # one or no point inside the band: HF's default factors, the length from the file or the point
-        low, high = 1.0, 4.0
-        if original is None:
-            original = wavelen[mid][0] * (low + smooth[0] * (high - low)) if mid.any() else 8192
+    smooth = (1 / divisors[mid] - 1 / factor) / (1 - 1 / factor)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate fit is refused below
+        if mid.sum() >= 2:
+            slope, intercept = np.polyfit(1 / wavelen[mid], smooth, 1)
+            if original is None:  # low_freq_factor 1
+                original = -slope / intercept
+            low = -intercept * float(original) / slope
+            high = low + float(original) / slope
+        else:  # one or no point inside the band: HF's default factors, the length from the file or the point
+            low, high = 1.0, 4.0
+            if original is None:
+                original = wavelen[mid][0] * (low + smooth[0] * (high - low)) if mid.any() else 8192
+    if not np.all(np.isfinite([low, high, float(original)])) or not 0 < low < high:
+        raise not_llama3
     rope = {"rope_type": "llama3", "rope_theta": theta, "factor": round(factor, 4),
             "low_freq_factor": round(float(low), 4), "high_freq_factor": round(float(high), 4),
             "original_max_position_embeddings": int(round(float(original)))}
-    if not np.all(np.isfinite([low, high])) or not np.allclose(_llama3_divisors(rope, wavelen), divisors,
-                                                               rtol=1e-5, atol=0):
-        raise ValueError(f"{name}: rope_freqs.weight {np.round(divisors, 4).tolist()} is not Llama 3's rope "
-                         f"scaling for any factor, low/high_freq_factor and original context length; kvserve "
-                         f"reads rope_freqs only as rope_type llama3")
+    if not np.allclose(_llama3_divisors(rope, wavelen), divisors, rtol=1e-5, atol=0):
+        raise not_llama3
     return rope
 
 
@@ -268,11 +271,10 @@ def _llama3_divisors(rope: dict, wavelen: np.ndarray) -> np.ndarray:
     """What llama.cpp's converter writes as rope_freqs for HF's llama3 rope_parameters."""
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     original = rope["original_max_position_embeddings"]
-    if low >= high:
-        return np.full_like(wavelen, np.nan)
     smooth = (original / wavelen - low) / (high - low)
-    return np.where(wavelen < original / high, 1.0,
-                    np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    with np.errstate(divide="ignore"):  # (outside the band, where the value is not taken)
+        smoothed = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, smoothed))
 
 
 _ARCHS = {
