@@ -143,7 +143,7 @@ def test_mma_kernel_equals_dequantized_reference(method, opt, rows):
         reference = x.float() @ IntWeights.dequantize(layer).float()
         configs = [(64, 32, 64, 4, 2), (32, 16, 128, 4, 2)]  # compiled: both in bf16, the first in fp32
         for config in configs if INTERPRETED or dtype == torch.bfloat16 else configs[:1]:
-            for split in (1, 2, 3) if INTERPRETED else (1, 3):
+            for split in (1, 2, 3) if INTERPRETED else (1, 3) if dtype == torch.bfloat16 else (3,):
                 got = mma_int_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits,
                                    layer.group_size, config, split)
                 assert got.dtype == dtype
@@ -305,15 +305,17 @@ def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
     q, scale = quantize_per_token(x)
     assert scale.shape == (rows, 1)
     assert_per_token_quant_matches_reference(x, q, scale)
+    # A strided view (every other column) reads the same as its contiguous copy.
+    wide = torch.cat([x, x], dim=1)[:, ::2]
+    assert torch.equal(quantize_per_token(wide)[0].view(torch.uint8),
+                       quantize_per_token(wide.contiguous())[0].view(torch.uint8))
+    if not INTERPRETED and dtype != torch.bfloat16:
+        return  # compiled: the static-scale variant in bf16 only
     static = torch.tensor([0.37], device=DEVICE)
     q, scale = quantize_per_token(x, static)
     want = (x.float() / static).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(scale, static.expand(rows, 1))
-    # A strided view (every other column) reads the same as its contiguous copy.
-    wide = torch.cat([x, x], dim=1)[:, ::2]
-    assert torch.equal(quantize_per_token(wide)[0].view(torch.uint8),
-                       quantize_per_token(wide.contiguous())[0].view(torch.uint8))
 
 
 def _fp8_weight(n: int, k: int):
@@ -335,13 +337,15 @@ def test_fp8_gemv_equals_dequantized_reference(dtype, m, k, n):
     from kvserve.ops.split_k_atomic import is_clean
     from kvserve.ops.triton_fp8_gemv import fp8_gemv
 
+    if not INTERPRETED and dtype == torch.float16 and m != 16:
+        pytest.skip("compiled: fp16 at one shape (its 16-bit path is bf16's, which runs at every shape)")
     q, scale, ref_w = _fp8_weight(n, k)
     x = torch.randn(m, k).to(dtype).to(DEVICE)
     ref = x.float() @ ref_w.T
     tol = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]  # 16-bit: the output rounding
     configs = [(16, 256, 4, 2), (64, 128, 4, 2)]  # compiled: both in bf16 (served), the first otherwise
     for config in configs if INTERPRETED or dtype == torch.bfloat16 else configs[:1]:
-        for split_k in (None, 1, 3) if INTERPRETED else (1, 3):
+        for split_k in (None, 1, 3) if INTERPRETED else (1, 3) if dtype == torch.bfloat16 else (3,):
             got = fp8_gemv(x, q, scale, config, split_k)
             assert got.dtype == dtype and got.shape == (m, n)
             torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=f"{config} split {split_k}")
@@ -357,6 +361,8 @@ def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
     of BLOCK_N, M past one BLOCK_M tile; split-K (forced) agrees with a single split."""
     from kvserve.ops.triton_fp8_gemm import w8a16_gemm
 
+    if not INTERPRETED and dtype == torch.float16 and m != 16:
+        pytest.skip("compiled: fp16 at one shape (its 16-bit path is bf16's, which runs at every shape)")
     q, scale, ref_w = _fp8_weight(n, k)
     x = torch.randn(m, k).to(dtype).to(DEVICE)
     ref = x.float() @ ref_w.T
