@@ -1,158 +1,383 @@
-"""Structured outputs on W1's shape: the cost of a JSON-schema constraint on a 256-request batch.
+"""Structured outputs on W1's shape: the cost of a JSON-schema constraint, kvserve against vLLM 0.26.0.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_structured.py [--out DIR] [--num-prompts 256]
+One command on the GPU machine, after the vLLM bundle is unpacked (BENCHMARKS.md: `.vllm/`, two calls):
 
-The W1 model (Llama-3.1-8B shape, dummy bf16 weights) with the SmolLM2 tokenizer saved beside it (grammars
-are over a tokenizer's tokens; the model's larger vocabulary is masked out beyond it). The same 256 W1
-prompts and max_tokens run three ways: unconstrained (ignore_eos, as W1), and with a JSON schema, with
-async scheduling on (the default on CUDA) and off. A constrained request ends when its object closes, so
-its output is shorter: tokens/s is the measure, with the output tokens of each run printed beside it.
-Correctness: every constrained output that finished ("stop") parses and validates against the schema.
-Per-step host time building the bitmask (StructuredOutputManager.grammar_bitmask) and the GPU time of one
-bitmask apply on [256, vocab] logits are printed. A table is printed last; results go to DIR/gpu_structured.json.
+    bash .vllm/install.sh && PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_structured.py --out $OUT
+
+and here, without a GPU, every part but the GPU ones (a tiny random model on the CPU, 8 requests; vLLM's part
+runs in its subprocess and reports itself not run when vllm cannot be imported):
+
+    PYTHONPATH=. python benchmarks/gpu_structured.py --dry-run
+
+The GPU image lacks xgrammar and jsonschema: this process takes them from the unpacked bundle (after the
+image's own packages). The model is W1's (Llama-3.1-8B shape, dummy bf16 weights) with the Llama 3.1 tokenizer saved beside it
+(`--tokenizer`, default `.vllm/`, where the bundle's tokenizer files travel; SmolLM2's when it is absent), so
+both engines mask the full 128,256-token vocabulary. The 256 W1 prompts, greedy, run:
+1. kvserve with the JSON schema (async scheduling, the CUDA default): each request ends when its object closes
+   (the schema bounds every string and array, so every output closes well inside max_tokens);
+2. kvserve without it, on the same engine, each request given exactly the output length it had in 1
+   (ignore_eos): the same batch shapes, so the ratio is the constraint's cost alone;
+3. vLLM 0.26.0 with the same schema (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
+   xgrammar, the same model directory), in a subprocess started after kvserve's engine is freed, so each
+   engine has the GPU to itself.
+Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three, the
+ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve constrained >= vLLM
+constrained), kvserve's per-step host time filling the bitmask (StructuredOutputManager.grammar_bitmask;
+under async scheduling it runs while the next step's forward is on the GPU) and the GPU time of one bitmask
+apply on [256, vocab] logits. The table is printed last; results go to DIR/gpu_structured.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
+VLLM_SITE = "/tmp/vllmsite"
+MAX_MODEL_LEN = 4096
+MAX_TOKENS = 2048  # far above the schema's longest object: every constrained output closes
+DRY_RUN_PROMPTS, DRY_RUN_PROMPT_LEN = 8, 48
+TARGET_VS_UNCONSTRAINED, TARGET_VS_VLLM = 0.95, 1.0
+
+# An extraction-shaped object whose every string and array is bounded, so its length is too.
 SCHEMA = {
     "type": "object",
     "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "maxLength": 64},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 8},
-        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 16},
-        "nested": {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string",
-                                                                                         "maxLength": 128}},
-                   "required": ["ok", "note"]},
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "minLength": 4, "maxLength": 48},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 16},
+                 "minItems": 1, "maxItems": 6},
+        "lines": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+            "type": "object",
+            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                           "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                           "note": {"type": "string", "maxLength": 32}},
+            "required": ["sku", "qty", "note"], "additionalProperties": False}},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 24},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "verified": {"type": "boolean"},
     },
-    "required": ["id", "name", "tags", "scores", "nested"],
+    "required": ["id", "name", "status", "tags", "lines", "address", "verified"],
+    "additionalProperties": False,
 }
 
 
-def model_dir() -> str:
-    from kvserve.bench.datasets import write_w1_config
+# ---- the model and the requests -----------------------------------------------------------------------------
+def default_tokenizer_dir() -> str | None:
+    return ".vllm" if os.path.exists(os.path.join(".vllm", "tokenizer.json")) else None
+
+
+def model_dir(tokenizer_dir: str | None, dry_run: bool) -> tuple[str, str]:
+    """(a model directory with a tokenizer beside the weights' config, the tokenizer's name)."""
     from kvserve.model.default_model import find_default_gguf, load_tokenizer
 
+    if dry_run:
+        return tiny_model_dir(), "SmolLM2 (tiny random model)"
+    from kvserve.bench.datasets import write_w1_config
+
     path = write_w1_config()
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+        return path, f"Llama 3.1 ({tokenizer_dir})"
     load_tokenizer(find_default_gguf()).save_pretrained(path)
+    return path, "SmolLM2 (no Llama 3.1 tokenizer found: its vocabulary is masked beyond 49,152)"
+
+
+def tiny_model_dir() -> str:
+    """A random 2-layer Llama with SmolLM2's tokenizer (the test suite's tiny model), for --dry-run."""
+    import transformers
+
+    from kvserve.model.default_model import find_default_gguf, load_tokenizer
+
+    tokenizer = load_tokenizer(find_default_gguf())
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="kvserve-structured-tiny-")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
-def run(path: str, reqs, constrained: bool, async_scheduling: bool, max_model_len: int = 4096) -> dict:
+def requests(num_prompts: int, dry_run: bool) -> list[list[int]]:
+    """W1's prompts (W1's ids fit the 128k vocabulary); in a dry run a few short ones."""
+    from kvserve.bench.datasets import w1_requests
+
+    prompts = [r.prompt_token_ids for r in w1_requests(num_prompts)]
+    if dry_run:
+        prompts = [[100 + t % 40000 for t in p[:DRY_RUN_PROMPT_LEN]] for p in prompts[:DRY_RUN_PROMPTS]]
+    return prompts
+
+
+def validate(texts: list[str]) -> tuple[int, list[str]]:
+    """(outputs that validate against SCHEMA, the first few problems)."""
+    import jsonschema
+
+    valid, problems = 0, []
+    for text in texts:
+        try:
+            # strict=False: xgrammar lets a length-bounded string hold raw control characters
+            jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as e:
+            problems.append(f"{type(e).__name__}: {str(e)[:120]} in {text[:80]!r}")
+    return valid, problems[:3]
+
+
+def use_bundle_libraries() -> None:
+    """The GPU image has no xgrammar or jsonschema; the vLLM bundle has them (xgrammar 0.2.7): this process
+    finds them there, after every package of the image (the bundle holds no torch or transformers)."""
+    if os.path.isdir(VLLM_SITE) and VLLM_SITE not in sys.path:
+        sys.path.append(VLLM_SITE)
+    try:
+        import jsonschema  # noqa: F401
+        import xgrammar  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"{e}: kvserve's structured outputs need xgrammar (and this check jsonschema); unpack "
+                         f"the vLLM bundle first (bash .vllm/install.sh), which has both") from None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- kvserve --------------------------------------------------------------------------------------------------
+def run_kvserve(path: str, prompts: list[list[int]], device: str) -> dict:
+    """The constrained run, then the unconstrained one with each request's length from it; one engine."""
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(path, load_format="dummy", dtype="bfloat16", async_scheduling=async_scheduling,
-              max_model_len=max_model_len)
-    engine = llm.llm_engine
-    mask_times = []
-    if constrained and engine.structured_output is not None:
-        build = engine.structured_output.grammar_bitmask
-
-        def timed(scheduled):
-            t0 = time.perf_counter()
-            result = build(scheduled)
-            if result[0] is not None:
-                mask_times.append((time.perf_counter() - t0, result[0].shape[0]))
-            return result
-
-        engine.structured_output.grammar_bitmask = timed
-    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = [SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, detokenize=False,
-                             structured_outputs=so) for _, out_len in reqs]
-    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up (graphs, grammar compile)
-    mask_times.clear()
-    torch.cuda.synchronize()
+    # xgrammar, as vLLM's auto picks for this schema (and llguidance is not loaded for nothing).
+    kwargs = dict(max_model_len=MAX_MODEL_LEN, structured_outputs_config='{"backend": "xgrammar"}')
+    if device == "cuda":
+        kwargs.update(load_format="dummy", dtype="bfloat16")
+    else:
+        kwargs.update(kv_cache_memory_bytes=64 << 20)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"constrained": constrained, "async_scheduling": async_scheduling, "seconds": elapsed,
-              "output_tokens": num_out, "tokens_per_s": num_out / elapsed,
-              "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs)}
-    if constrained:
-        import jsonschema
+    llm = LLM(path, **kwargs)
+    engine = llm.llm_engine
+    init_s = time.perf_counter() - t0
+    tokenizer = llm.get_tokenizer()
+    mask_times: list[tuple[float, int]] = []  # (seconds, rows) per step that had constrained rows
+    fill = engine.structured_output.grammar_bitmask
 
-        tok = llm.get_tokenizer()
-        valid = invalid = 0
-        for o in outs:
-            c = o.outputs[0]
-            if c.finish_reason != "stop":
-                continue
-            try:
-                jsonschema.validate(json.loads(tok.decode(c.token_ids, skip_special_tokens=True), strict=False), SCHEMA)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                invalid += 1
-        result.update(valid=valid, invalid=invalid)
+    def timed_fill(scheduled):
+        t = time.perf_counter()
+        bitmask, rows = fill(scheduled)
+        if bitmask is not None:
+            mask_times.append((time.perf_counter() - t, bitmask.shape[0]))
+        return bitmask, rows
+
+    engine.structured_output.grammar_bitmask = timed_fill
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    constrained = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False,
+                                 structured_outputs=constraint)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    try:
+        # Warm-up: the grammar compiles (then cached), and both kinds of step run once.
+        llm.generate(batch[:4], constrained, use_tqdm=False)
+        llm.generate(batch[:4], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+        mask_times.clear()
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, constrained, use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        texts = [tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
+        valid, problems = validate(texts)
+        with_schema = {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+                       "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs), "valid": valid,
+                       "num_requests": len(outs), "problems": problems}
         if mask_times:
-            per_step = [t for t, _ in mask_times]
-            result.update(mask_steps=len(per_step), mask_ms_mean=1e3 * statistics.mean(per_step),
-                          mask_ms_p99=1e3 * sorted(per_step)[int(0.99 * (len(per_step) - 1))],
-                          mask_rows_mean=statistics.mean(r for _, r in mask_times))
-    engine.shutdown()
-    del llm, engine
-    torch.cuda.empty_cache()
-    return result
+            per_step = sorted(t for t, _ in mask_times)
+            with_schema.update(mask_steps=len(per_step), mask_ms_mean=1e3 * statistics.mean(per_step),
+                               mask_ms_p99=1e3 * per_step[int(0.99 * (len(per_step) - 1))],
+                               mask_rows_mean=statistics.mean(r for _, r in mask_times))
+        free_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                       for n in lengths]
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, free_params, use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert num_out == sum(lengths), (num_out, sum(lengths))
+        without = {"seconds": seconds, "output_tokens": num_out, "tokens_per_s": num_out / seconds}
+        vocab = engine.config.model_config.vocab_size
+    finally:
+        engine.shutdown()
+        del llm, engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"init_s": init_s, "vocab_size": vocab, "constrained": with_schema, "unconstrained": without}
 
 
-def apply_time(vocab: int = 128256, rows: int = 256) -> float:
-    """GPU milliseconds of one bitmask apply on [rows, vocab] float32 logits (kvserve's apply function)."""
+def apply_ms(vocab: int, device: str, rows: int = 256) -> float:
+    """Milliseconds of one bitmask apply on [rows, vocab] float32 logits (kvserve's apply function)."""
     from kvserve.structured_output.bitmask import apply_token_bitmask
 
-    logits = torch.randn(rows, vocab, device="cuda")
+    logits = torch.randn(rows, vocab, device=device)
     bitmask = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32)
     all_rows = list(range(rows))
     for _ in range(3):
         apply_token_bitmask(logits, bitmask, all_rows)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
+    iters = 20
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
         apply_token_bitmask(logits, bitmask, all_rows)
-    end.record()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+# ---- vLLM (its own process) -----------------------------------------------------------------------------------
+def run_vllm_subprocess(path: str, num_prompts: int, dry_run: bool, result_file: str) -> dict:
+    """This script again with --part vllm, vLLM's site first on its path (its workers inherit it)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [VLLM_SITE, here, env.get("PYTHONPATH", "")] if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--part", "vllm", "--model-dir", path,
+           "--num-prompts", str(num_prompts), "--result-file", result_file] + (["--dry-run"] if dry_run else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, check=False)
+    print(f"== vLLM subprocess: rc {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
+    try:
+        with open(result_file) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"not_run": f"the vLLM subprocess wrote no result (rc {proc.returncode})"}
+
+
+def vllm_part(args) -> None:
+    """Inside the subprocess: vLLM with the same schema, prompts and model directory."""
+    def write(result: dict) -> None:
+        with open(args.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError as e:
+        write({"not_run": f"vllm cannot be imported ({e}); unpack the bundle: bash .vllm/install.sh"})
+        return
+    if args.dry_run or not torch.cuda.is_available():
+        write({"not_run": f"vLLM {vllm.__version__} runs on the GPU only"})
+        return
+    prompts = requests(args.num_prompts, dry_run=False)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model_dir, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.90,
+              max_model_len=MAX_MODEL_LEN, seed=0)
+    init_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA, disable_any_whitespace=True))
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch[:4], params, use_tqdm=False)  # warm-up: the grammar compiles
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    valid, problems = validate([o.outputs[0].text for o in outs])
+    write({"vllm_version": vllm.__version__, "init_s": init_s, "seconds": seconds, "output_tokens": num_out,
+           "tokens_per_s": num_out / seconds, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
+           "valid": valid, "num_requests": len(outs), "problems": problems})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+# ---- the table ------------------------------------------------------------------------------------------------
+def print_table(result: dict) -> None:
+    ours, theirs = result["kvserve"], result["vllm"]
+    free, constrained = ours["unconstrained"], ours["constrained"]
+    print(f"\n{result['device']}: W1 prompts ({result['num_prompts']}), greedy, JSON schema; tokenizer "
+          f"{result['tokenizer']}")
+    print(f"{'run':30} {'out tok':>8} {'s':>7} {'tok/s':>9} {'stop':>5} {'valid':>8} {'mask ms/step':>18}")
+    mask = (f"{constrained['mask_ms_mean']:.2f} (p99 {constrained['mask_ms_p99']:.2f})"
+            if "mask_ms_mean" in constrained else "-")
+    rows = [("kvserve, no constraint", free, "-", "-", "-"),
+            ("kvserve, JSON schema", constrained, constrained["finished_stop"],
+             f"{constrained['valid']}/{constrained['num_requests']}", mask)]
+    if "not_run" not in theirs:
+        rows.append((f"vLLM {theirs['vllm_version']}, JSON schema", theirs, theirs["finished_stop"],
+                     f"{theirs['valid']}/{theirs['num_requests']}", "-"))
+    for name, r, stop, valid, m in rows:
+        print(f"{name:30} {r['output_tokens']:8d} {r['seconds']:7.2f} {r['tokens_per_s']:9.0f} {stop!s:>5} "
+              f"{valid:>8} {m:>18}")
+    if "not_run" in theirs:
+        print(f"vLLM: not run ({theirs['not_run']})")
+    for name, ratio, target in [("constrained / unconstrained kvserve", result["ratio_vs_unconstrained"],
+                                 TARGET_VS_UNCONSTRAINED),
+                                ("kvserve constrained / vLLM constrained", result.get("ratio_vs_vllm"), TARGET_VS_VLLM)]:
+        verdict = "not run" if ratio is None else f"{ratio:.3f}x ({'met' if ratio >= target else 'MISSED'})"
+        print(f"{name:40} {verdict}   target >= {target:.2f}x")
+    print(f"bitmask apply, 256 rows x {ours['vocab_size']}: {result['apply_ms_256_rows']:.3f} ms on the "
+          f"{'GPU' if result['device_type'] == 'cuda' else 'CPU'}")
+    invalid = [(n, r["problems"]) for n, r in [("kvserve", constrained), ("vLLM", theirs)]
+               if r.get("problems")]
+    for name, problems in invalid:
+        print(f"{name}: outputs that do not validate, e.g. {problems[0]}")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--num-prompts", type=int, default=256)
-    args = ap.parse_args()
-    from kvserve.bench.datasets import w1_requests
-
-    reqs = [(r.prompt_token_ids, r.expected_output_len) for r in w1_requests(args.num_prompts)]
-    path = model_dir()
+    ap.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json and tokenizer_config.json "
+                    "(default: .vllm/ when it has them, else SmolLM2's)")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: a tiny random model on the CPU, 8 requests")
+    ap.add_argument("--part", choices=["all", "vllm"], default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.part == "vllm":
+        vllm_part(args)
+        return None
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on the GPU machine, or here with --dry-run")
+    use_bundle_libraries()
+    tokenizer_dir = args.tokenizer or default_tokenizer_dir()
+    path, tokenizer_name = model_dir(tokenizer_dir, args.dry_run)
     try:
-        results = [run(path, reqs, False, True), run(path, reqs, True, True), run(path, reqs, True, False)]
+        prompts = requests(args.num_prompts, args.dry_run)
+        ours = run_kvserve(path, prompts, device)
+        if args.skip_vllm:
+            theirs = {"not_run": "--skip-vllm"}
+        else:
+            theirs = run_vllm_subprocess(path, args.num_prompts, args.dry_run,
+                                         os.path.join(tempfile.mkdtemp(prefix="kvserve-structured-"), "vllm.json"))
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    apply_ms = apply_time()
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)", "device_type": device,
+              "num_prompts": len(prompts), "tokenizer": tokenizer_name, "schema": SCHEMA, "kvserve": ours,
+              "vllm": theirs, "apply_ms_256_rows": apply_ms(ours["vocab_size"], device),
+              "ratio_vs_unconstrained": ours["constrained"]["tokens_per_s"] / ours["unconstrained"]["tokens_per_s"],
+              "ratio_vs_vllm": (ours["constrained"]["tokens_per_s"] / theirs["tokens_per_s"]
+                                if "tokens_per_s" in theirs else None)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_structured.json"), "w") as f:
-        json.dump({"runs": results, "apply_ms_256_rows": apply_ms, "device": torch.cuda.get_device_name()}, f,
-                  indent=2)
-    base = results[0]["tokens_per_s"]
-    print(f"\n{torch.cuda.get_device_name()}: W1 prompts ({len(reqs)}), greedy, JSON schema constraint")
-    print(f"{'run':34} {'out tok':>9} {'s':>7} {'tok/s':>9} {'vs free':>8} {'stop':>5} {'valid':>6} "
-          f"{'mask ms/step':>13}")
-    for r in results:
-        name = ("constrained" if r["constrained"] else "unconstrained") + \
-               (", async" if r["async_scheduling"] else ", sync")
-        mask = f"{r['mask_ms_mean']:.2f} (p99 {r['mask_ms_p99']:.2f})" if "mask_ms_mean" in r else "-"
-        valid = f"{r['valid']}/{r['valid'] + r['invalid']}" if r["constrained"] else "-"
-        print(f"{name:34} {r['output_tokens']:9d} {r['seconds']:7.2f} {r['tokens_per_s']:9.0f} "
-              f"{r['tokens_per_s'] / base:7.2f}x {r['finished_stop']:5d} {valid:>6} {mask:>13}")
-    print(f"bitmask apply, 256 rows x 128256: {apply_ms:.3f} ms on the GPU")
+        json.dump(result, f, indent=2)
+    print_table(result)
+    return result
 
 
 if __name__ == "__main__":

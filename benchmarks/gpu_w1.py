@@ -1,4 +1,4 @@
-"""Everything a GPU session checks and measures, in one command (see docs/DESIGN.md, workload W1).
+"""Everything a GPU run checks and measures, in one command (see docs/DESIGN.md, workload W1).
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_w1.py [--out DIR] [--skip-hf] [--quick]
 
@@ -313,7 +313,7 @@ def main():
     ap.add_argument("--compare-sync", action="store_true", help="also run batch-1 and W1 with async scheduling off")
     ap.add_argument("--sync-check-only", action="store_true", help="only look for hidden host syncs in decode steps")
     ap.add_argument("--ttft-only", action="store_true",
-                    help="only time to first token at 128 and 2,048 tokens (for an A/B of two trees in one session)")
+                    help="only time to first token at 128 and 2,048 tokens (for an A/B of two trees on one machine)")
     ap.add_argument("--vllm-json", help="vllm_bench.py's JSON written earlier in the same device command: "
                                         "print ratios against it")
     args = ap.parse_args()

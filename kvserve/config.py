@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model.model_config import ModelConfig
 from kvserve.sizing.memory_plan import KV_CACHE_DTYPES
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -143,7 +147,6 @@ class EngineArgs:
             return self.distributed_executor_backend
         if self.world_size == 1:
             return "uni"
-        import os
         import sys
 
         ray = sys.modules.get("ray")
@@ -244,6 +247,9 @@ class EngineConfig:
                                                  download_dir=args.download_dir, token=args.hf_token, what="Tokenizer")
         layer_ranges = _check_parallel_layout(args, model_config, device, count_devices)
         draft_model_path, draft_model_config = _resolve_draft_model(args, model_config, max_model_len)
+        # One line per resolution: `kvserve serve` resolves once, in the process that parsed the command line.
+        logger.info("Engine config resolved (pid %d): %s, max_model_len %d, %s", os.getpid(), model_path,
+                    max_model_len, device)
         return cls(
             draft_model_path=draft_model_path,
             draft_model_config=draft_model_config,

@@ -43,6 +43,15 @@ class RequestMetrics:
     # Speculative decoding, over all samples of the request: drafts verified, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The request's one token count, kept by the engine's output processor: the API's usage, the Prometheus
+    # counters and the dashboard (which reads those counters) all read these, so they agree.
+    num_prompt_tokens: int = 0
+    sample_generation_tokens: list[int] = field(default_factory=list)  # output tokens of each sample, by index
+    finish_reason: str | None = None  # the request's, once finished: its first sample's ("stop", "length", ...)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(self.sample_generation_tokens)
 
 
 @dataclass

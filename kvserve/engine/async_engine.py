@@ -35,7 +35,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from kvserve.background import in_background
-from kvserve.config import EngineArgs
+from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.engine_core import PING, STOP, EngineBatch, EngineCore, run_engine_core_process
 from kvserve.engine.metrics import EngineMetrics, FinishedRequest
 from kvserve.inputs import parse_prompt
@@ -90,9 +90,8 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.finished = False  # nothing more will come from the engine
         self._delivered_final = False
-        self.first_token_seen = False
-        self.num_generated: dict[int, int] = {}  # sample index -> tokens so far
-        self.finish_reasons: dict[int, str] = {}
+        # The engine's token counts (RequestMetrics) already added to the counters: prompt, generated.
+        self.counted = (0, 0)
 
     def put(self, out: RequestOutput) -> None:
         if self._pending is not None and self.kind == RequestOutputKind.DELTA:
@@ -164,11 +163,14 @@ class AsyncEngine:
     """`use_process=True` (the server's choice) runs the EngineCore in a child process; False runs it on a
     thread of this process (quicker to start; for tests and embedding)."""
 
-    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None, use_process: bool = True,
-                 max_waiting_sequences: int | None = None):
-        """`max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a batch
-        that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
-        self.args = args
+    def __init__(self, args: EngineArgs | EngineConfig, metrics: EngineMetrics | None = None,
+                 use_process: bool = True, max_waiting_sequences: int | None = None):
+        """`args`: an EngineConfig already resolved (the server's), or EngineArgs resolved at start() on this
+        process's loading thread. Either way the engine core is handed the resolved config, never resolving
+        it again. `max_waiting_sequences`: most sequences that may wait beyond the engine's --max-num-seqs; a
+        batch that would queue more is refused with EngineOverloadedError. None: no bound (the library's use)."""
+        self._given_config = args if isinstance(args, EngineConfig) else None
+        self.args = args.args if isinstance(args, EngineConfig) else args
         self.max_waiting_sequences = max_waiting_sequences
         self.metrics = metrics
         self.use_process = use_process
@@ -362,7 +364,7 @@ class AsyncEngine:
         try:
             from kvserve.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine(self.args)
+            engine = LLMEngine(self._resolved_config())
             tokenizer = self._load_tokenizer(engine.config)
         except BaseException as e:  # reported to the server, which exits
             logger.exception("Engine failed to start")
@@ -393,9 +395,10 @@ class AsyncEngine:
         """Starts the engine process, then receives its batches (this thread) while another sends commands."""
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=run_engine_core_process, args=(self.args, child_conn),
-                                    name="kvserve-engine-core", daemon=True)
         try:
+            config = self._resolved_config()
+            self._process = ctx.Process(target=run_engine_core_process, args=(config, child_conn),
+                                        name="kvserve-engine-core", daemon=True)
             self._process.start()
             # It ignores SIGTERM (group signals must not kill it under the drain), so multiprocessing's own
             # exit handler, which terminates and then joins, would wait on it for ever: this runs first.
@@ -403,20 +406,18 @@ class AsyncEngine:
                                                          exitpriority=10)
             logger.info("Engine core process started (pid %d)", self._process.pid)
             child_conn.close()
+            # This side's tokenizer loads while the engine process loads the model.
+            tokenizer_future = in_background(self._load_tokenizer, config)
             kind, payload = conn.recv()
-            tokenizer_future = None
-            if kind == "config":  # load the tokenizer here while the engine process loads the model
-                tokenizer_future = in_background(self._load_tokenizer, payload)
-                kind, payload = conn.recv()
             if kind != "ready":
                 raise RuntimeError(f"The engine process failed to start: {payload}")
-            tokenizer = tokenizer_future.result() if tokenizer_future else self._load_tokenizer(payload)
+            tokenizer = tokenizer_future.result()
         except BaseException as e:  # reported to the server, which exits
             logger.error("Engine failed to start: %s", e)
             self._post(self._on_started, None, None, e)
             return
         self._heard()
-        self._post(self._on_started, payload, tokenizer, None)
+        self._post(self._on_started, config, tokenizer, None)
         self._spawn_thread(lambda: self._send_commands(conn), "kvserve-engine-send")
         # Wait on the pipe and on the process itself: a grandchild holding the pipe open must not hide the
         # engine's death, which is noticed at once either way (vLLM's EngineDeadError).
@@ -451,6 +452,9 @@ class AsyncEngine:
                 return
             if STOP in commands:
                 return
+
+    def _resolved_config(self) -> EngineConfig:
+        return self._given_config if self._given_config is not None else self.args.create_engine_config()
 
     def _load_tokenizer(self, config):
         if self.args.skip_tokenizer_init:
@@ -531,25 +535,19 @@ class AsyncEngine:
                 listener(batch.kv_snapshot)
 
     def _account(self, stream: RequestStream, out: RequestOutput) -> tuple[int, int]:
-        """Prompt and generated tokens this output adds (for the counters and the throughput log)."""
-        new = 0
-        for c in out.outputs:
-            before = stream.num_generated.get(c.index, 0)
-            total = before + len(c.token_ids) if stream.kind == RequestOutputKind.DELTA else len(c.token_ids)
-            stream.num_generated[c.index] = total
-            new += total - before
-            if c.finish_reason is not None:
-                stream.finish_reasons[c.index] = c.finish_reason
-        prompt = 0
-        if not stream.first_token_seen and new:
-            stream.first_token_seen = True
-            prompt = len(out.prompt_token_ids)
+        """Prompt and generated tokens this output adds to the counters (and the throughput log): the
+        growth of the engine's own count for the request. A prompt counts once its first token is out."""
+        counted_prompt, counted_generated = stream.counted
+        generated = out.metrics.num_generation_tokens
+        prompt = out.metrics.num_prompt_tokens if generated else 0
+        stream.counted = (prompt, generated)
+        if not counted_generated and generated:
             if self.metrics is not None:
                 m = out.metrics
                 first = m.first_token_time if m is not None and m.first_token_time else time.time()
                 # From when the server took the request, not when the engine did: what a client waits.
                 self.metrics.observe_first_token(max(first - stream.arrival, 0.0))
-        return prompt, new
+        return prompt - counted_prompt, generated - counted_generated
 
     def _observe_finished(self, stream: RequestStream, out: RequestOutput) -> None:
         if self.metrics is None:
@@ -561,8 +559,8 @@ class AsyncEngine:
         if m is not None and m.first_scheduled_time is not None:
             queue_time = max(m.first_scheduled_time - arrival, 0.0)
         tpot = None
-        most = max(stream.num_generated.values(), default=0)
+        most = max(m.sample_generation_tokens, default=0) if m is not None else 0
         if m is not None and m.first_token_time is not None and most > 1:
             tpot = (finished - m.first_token_time) / (most - 1)
-        reason = stream.finish_reasons.get(0) or next(iter(stream.finish_reasons.values()), "stop")
+        reason = (m.finish_reason if m is not None else None) or "stop"
         self.metrics.observe_finished(FinishedRequest(reason, finished - arrival, queue_time, tpot))

@@ -120,9 +120,10 @@ def _portable(e: Exception) -> Exception:
     return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def run_engine_core_process(args, conn) -> None:
-    """Entry point of the engine process: load, report ("ready", config) or ("error", message), then serve
-    commands arriving on `conn` until "stop" or until the server's end of the pipe closes."""
+def run_engine_core_process(config, conn) -> None:
+    """Entry point of the engine process, handed the EngineConfig its parent resolved: load, report
+    ("ready", None) or ("error", message), then serve commands arriving on `conn` until "stop" or until the
+    server's end of the pipe closes."""
     ignore_group_signals()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -130,14 +131,12 @@ def run_engine_core_process(args, conn) -> None:
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
-        # The resolved config first: the server loads its tokenizer while this process loads the model.
-        conn.send(("config", args.create_engine_config()))
-        engine = LLMEngine(args)
+        engine = LLMEngine(config)
     except BaseException as e:  # reported to the server, which exits
         logger.exception("Engine failed to start")
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.config))
+    conn.send(("ready", None))
 
     def take_commands(block: bool) -> list:
         commands = []

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.background import in_background
-from kvserve.config import EngineArgs
+from kvserve.config import EngineArgs, EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -67,8 +67,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        self.config = config = args.create_engine_config()
+    def __init__(self, args: EngineArgs | EngineConfig):
+        """From EngineArgs (resolved here) or an EngineConfig its caller already resolved."""
+        config = args if isinstance(args, EngineConfig) else args.create_engine_config()
+        self.config, args = config, config.args
         self.request_limits = RequestLimits.from_config(config)
         torch.manual_seed(args.seed)
         # The tokenizer loads on a thread while the model loads (a large tokenizer.json takes seconds).

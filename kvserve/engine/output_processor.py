@@ -206,6 +206,10 @@ class OutputProcessor:
         metrics = parent.metrics
         metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.samples)
         metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.samples)
+        metrics.num_prompt_tokens = len(parent.prompt_token_ids)
+        metrics.sample_generation_tokens = [len(s.request.output_token_ids) for s in parent.samples]
+        if finished:
+            metrics.finish_reason = parent.samples[0].request.status.finish_reason
         delta = kind == RequestOutputKind.DELTA
         samples = sorted(advanced, key=lambda s: s.index) if delta else parent.samples
         prompt_logprobs = parent.prompt_logprobs

@@ -1,8 +1,9 @@
 """The interface every grammar library is used through: compile a constraint once, then one matcher per
 sequence that accepts tokens, fills its row of the token bitmask and rolls back.
 
-`rollback(n)` exists for speculative decoding (rejected draft tokens); preemption needs none, because a
-preempted request keeps its output tokens and so its matcher's state.
+`rollback(n)` serves speculative decoding: a step's mask rows for draft tokens are filled by advancing
+over the drafts, then rolling back. Preemption needs none: a preempted request keeps its output tokens and
+so its matcher's state.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ class Matcher(ABC):
     @abstractmethod
     def fill_bitmask(self, bitmask, row: int) -> None:
         """Writes the allowed next tokens into row `row` of an int32 [rows, ceil(vocab / 32)] CPU tensor."""
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[Matcher], bitmask, rows: list[int]) -> None:
+        """Row rows[i] for matchers[i], all of this class: a library that fills many at once does so."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:

@@ -4,7 +4,8 @@ The scheduler asks it whether a waiting request's grammar is compiled (a request
 without holding up others), feeds it every sampled token in its update (the matcher advances; its
 termination ends the request) and tells it when a request ends. After each schedule the engine asks it
 for the step's token bitmask: one int32 row of ceil(vocab / 32) words per constrained request that
-samples, which the model runner applies to the logits before sampling.
+samples, one per position for a request with draft tokens (speculative decoding), which the model runner
+applies to the logits before sampling or verifying.
 
 With a reasoning parser, a request's constraint starts after its thinking ends (the end-of-thinking
 token sequence): until then its matcher sees no tokens and its row allows every token.
@@ -32,7 +33,6 @@ class _State:
     matcher: Matcher | None = None
     thinking: bool = False  # still inside the reasoning section: the constraint does not apply yet
     error: str | None = None
-    num_accepted: int = 0
     recent: list[int] = field(default_factory=list)  # the last tokens, to spot the end of thinking
 
 
@@ -84,26 +84,19 @@ class StructuredOutputManager:
         """Advances the request's matcher; returns whether its grammar has ended (the request is done)."""
         st = self._states[request_id]
         if st.thinking:
-            st.recent.append(token_id)
-            n = len(self.reasoning_end_ids)
-            del st.recent[:-n]
-            if st.recent == self.reasoning_end_ids:
-                st.thinking = False
+            st.thinking = not self._ends_thinking(st.recent, token_id)
             return False
         if not st.matcher.accept_token(token_id):
             # Cannot happen while the mask is applied; if it does, stop rather than emit invalid output.
             logger.error("Request %s: token %d is not allowed by its grammar; stopping it.", request_id, token_id)
             return True
-        st.num_accepted += 1
         return st.matcher.is_terminated()
 
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Undoes the last `num_tokens` accepted tokens (rejected draft tokens)."""
-        st = self._states[request_id]
-        num_tokens = min(num_tokens, st.num_accepted)
-        if num_tokens:
-            st.matcher.rollback(num_tokens)
-            st.num_accepted -= num_tokens
+    def _ends_thinking(self, recent: list[int], token_id: int) -> bool:
+        """Appends `token_id` to `recent` (the last tokens of the thinking); whether they now end it."""
+        recent.append(token_id)
+        del recent[:-len(self.reasoning_end_ids)]
+        return recent == self.reasoning_end_ids
 
     def is_constrained_now(self, request_id: str) -> bool:
         st = self._states.get(request_id)
@@ -116,12 +109,58 @@ class StructuredOutputManager:
         return any(s.needs_sample and s.request_id in self._states for s in scheduled)
 
     def grammar_bitmask(self, scheduled) -> tuple[torch.Tensor | None, dict[str, int]]:
-        """(int32 [rows, words] bitmask, request id -> row) for the scheduled requests that sample this step
-        under a constraint; (None, {}) when there are none."""
-        rows = [s.request_id for s in scheduled if s.needs_sample and self.is_constrained_now(s.request_id)]
-        if not rows:
+        """(int32 [rows, words] bitmask, request id -> its first row) for the scheduled requests that sample
+        this step under a constraint; (None, {}) when there are none. A request with draft tokens has one row
+        per position, 1 + len(drafts) consecutive rows: row j allows what may follow its first j drafts."""
+        entries = []
+        for s in scheduled:
+            st = self._states.get(s.request_id)
+            drafts = list(getattr(s, "spec_token_ids", ()) or ())
+            # In its thinking, a request is unconstrained, unless its drafts may end the thinking.
+            if s.needs_sample and st is not None and st.matcher is not None and (not st.thinking or drafts):
+                entries.append((s.request_id, st, drafts))
+        if not entries:
             return None, {}
-        bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
-        for i, rid in enumerate(rows):
-            self._states[rid].matcher.fill_bitmask(bitmask, i)
-        return bitmask, {rid: i for i, rid in enumerate(rows)}
+        num_rows = sum(1 + len(d) for _, _, d in entries)
+        if any(d for _, _, d in entries):
+            # All ones by default: a position past a draft the grammar refuses (or its end) is never sampled.
+            bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+        else:
+            bitmask = torch.empty((num_rows, self.num_words), dtype=torch.int32)
+        first_rows, row = {}, 0
+        one_row: dict[type, tuple[list, list[int]]] = {}  # per matcher class: (matchers, rows), filled at once
+        for rid, st, drafts in entries:
+            first_rows[rid] = row
+            if drafts:
+                self._fill_rows(st, drafts, bitmask, row)
+            else:
+                matchers, rows = one_row.setdefault(type(st.matcher), ([], []))
+                matchers.append(st.matcher)
+                rows.append(row)
+            row += 1 + len(drafts)
+        for cls, (matchers, rows) in one_row.items():
+            cls.fill_bitmasks(matchers, bitmask, rows)
+        return bitmask, first_rows
+
+    def _fill_rows(self, st: _State, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """Rows row .. row + len(drafts): the matcher advanced over the drafts one by one, filling the row
+        before each, then rolled back (the update accepts the tokens the step really appends)."""
+        thinking, recent = st.thinking, list(st.recent)
+        advanced = 0
+        try:
+            for j in range(len(drafts) + 1):
+                if not thinking:
+                    if st.matcher.is_terminated():
+                        break  # the grammar ended at the draft before: the request ends there
+                    st.matcher.fill_bitmask(bitmask, row + j)
+                if j == len(drafts):
+                    break
+                if thinking:
+                    thinking = not self._ends_thinking(recent, drafts[j])
+                elif st.matcher.accept_token(drafts[j]):
+                    advanced += 1
+                else:
+                    break  # this row refuses the draft, so the verify rejects it and later rows go unused
+        finally:
+            if advanced:
+                st.matcher.rollback(advanced)

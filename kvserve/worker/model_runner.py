@@ -301,12 +301,20 @@ class ModelRunner:
                                 last_sampled, layout.other_groups)
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, mask_row: dict[str, int], rids: list[str]) -> None:
-        """Structured outputs: each constrained request's row of the step's bitmask onto its logits row."""
-        logits_rows = [j for j, rid in enumerate(rids) if rid in mask_row]
+    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask, first_row: dict[str, int], requests: list) -> None:
+        """Structured outputs: each constrained request's rows of the step's bitmask onto its logits rows (one
+        per position: 1 + its drafts), in one apply."""
+        logits_rows, mask_rows = [], []
+        row = 0
+        for s in requests:
+            n = 1 + len(s.spec_token_ids)
+            first = first_row.get(s.request_id)
+            if first is not None:
+                logits_rows += range(row, row + n)
+                mask_rows += range(first, first + n)
+            row += n
         if logits_rows:
-            masks = bitmask[[mask_row[rids[j]] for j in logits_rows]]
-            apply_token_bitmask(logits, masks, logits_rows)
+            apply_token_bitmask(logits, bitmask[mask_rows], logits_rows)
 
     @torch.inference_mode()
     def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:
@@ -399,9 +407,7 @@ class ModelRunner:
         rids = [s.request_id for s in requests]
         wants_logprobs = [s.sampling_params.logprobs is not None for s in requests]
         if bitmask is not None:
-            if layout.has_drafts:  # the mask has one row per request, not one per draft position
-                raise ValueError("structured outputs with draft tokens are not supported yet")
-            self._apply_grammar_bitmask(logits, bitmask, mask_row, rids)
+            self._apply_grammar_bitmask(logits, bitmask, mask_row, requests)
         if not layout.has_drafts:
             meta_s = build_sampling_metadata(layout.sample_states, self.input_batch.generators, logits.shape[-1],
                                              self.device)

@@ -140,3 +140,47 @@ def test_loading_and_api_key_gate():
     assert health.status_code == 503
     assert unauthorized.status_code == 401
     assert metrics.status_code == 200
+
+
+@pytest.mark.parametrize("use_process", [True, False], ids=["process", "thread"])
+def test_server_side_keeps_only_streams_and_forgets_them(tiny_model_factory, use_process):
+    """After finished, aborted and disconnected requests, the server side holds no per-request state: its one
+    registry (the streams) is empty, and so is every other container it keeps, but the listeners and threads."""
+    path, _ = tiny_model_factory("llama")
+
+    async def main():
+        engine = AsyncEngine(EngineArgs(model=path), EngineMetrics("tiny"), use_process=use_process)
+        engine.start()
+        await engine.ready()
+
+        async def finish(i):
+            params = SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=6, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            async for out in engine.generate(f"finish {i}", params):
+                pass
+            assert out.finished
+
+        async def leave_early(i):
+            async for _ in engine.generate(f"leave {i}", _params(300)):
+                break  # closing the generator aborts the request
+
+        async def disconnect(i, started: asyncio.Event):
+            async for _ in engine.generate(f"disconnect {i}", _params(300)):
+                started.set()
+
+        starts = [asyncio.Event() for _ in range(3)]
+        gone = [asyncio.ensure_future(disconnect(i, s)) for i, s in enumerate(starts)]
+        await asyncio.gather(*(finish(i) for i in range(4)), *(leave_early(i) for i in range(3)),
+                             *(s.wait() for s in starts))
+        for task in gone:  # a client that disconnects: its handler is cancelled mid-stream
+            task.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        held = {name: value for name, value in vars(engine).items()
+                if isinstance(value, (dict, set, list)) and value
+                and name not in ("kv_snapshot", "kv_snapshot_listeners", "_threads")}
+        num_active = engine.num_active
+        await engine.shutdown()
+        return held, num_active
+
+    held, num_active = asyncio.run(main())
+    assert held == {} and num_active == 0

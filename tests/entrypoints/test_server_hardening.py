@@ -1,4 +1,4 @@
-"""Issue 10's findings, one test each (the engine-death finding, 2, is in test_server_hardening_liveness.py):
+"""The first server-hardening findings, one test each (the engine-death finding, 2, is in test_server_hardening_liveness.py):
 each reproduces what took the server down, cheaply (small caps, not runaway sizes), and checks that it is
 now a 4xx naming the field, or that the server keeps serving everyone else."""
 

@@ -1,4 +1,4 @@
-"""Engine liveness (issue 10, finding 2): when the engine core process dies under the server, in-flight
+"""Engine liveness (hardening finding 2): when the engine core process dies under the server, in-flight
 requests fail with a 500 error (streams: an error event, then [DONE]), /health stops saying 200 and the
 server exits non-zero, as vLLM does with its EngineDeadError; nothing ever claims "loading" again."""
 

@@ -4,6 +4,7 @@ CLI's own checks (help groups, bad flags) without starting anything."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,14 @@ def test_vllm_command_line_and_startup(server, tiny_model_factory):
     assert server.first_health_status in (200, 503)
     if server.first_health_status == 503:
         assert json.loads(server.first_health_body)["error"]["code"] == 503
+
+
+def test_engine_config_resolved_once_per_serve(server):
+    """The process that parsed the command line resolves the config; the engine process is handed it."""
+    log = server.log_tail(10 ** 7)
+    assert "Engine ready in" in log  # the engine process's own log lines reach this log
+    resolutions = re.findall(r"Engine config resolved \(pid (\d+)\)", log)
+    assert resolutions == [str(server.proc.pid)]
 
 
 def test_sigterm_lets_streams_finish_then_exits_zero(server):

@@ -99,19 +99,35 @@ def test_guidance_backend_constrains(smol_tokenizer):
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
 
 
-def test_manager_accepts_rolls_back_and_terminates(compiler, smol_tokenizer):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_manager_accepts_rolls_back_and_terminates(smol_tokenizer, backend):
+    compiler = GrammarCompiler(smol_tokenizer, VOCAB, [smol_tokenizer.eos_token_id],
+                               StructuredOutputsConfig(backend=backend))
     mgr = StructuredOutputManager(compiler, VOCAB)
     mgr.add_request("r", StructuredOutputsParams(choice=["yes"]), [1, 2])
     while mgr.status("r") == "waiting":
         time.sleep(0.01)
     assert mgr.status("r") == "ready"
     ids = smol_tokenizer.encode("yes", add_special_tokens=False)
-    for t in ids:
+    # Mask rows for the whole word as drafts: the matcher advances over them and is rolled back.
+    from types import SimpleNamespace
+
+    sched = SimpleNamespace(request_id="r", needs_sample=True, spec_token_ids=ids)
+    bitmask, first = mgr.grammar_bitmask([sched])
+    rows = allowed_tokens(bitmask, VOCAB)
+    assert [rows[j][t] for j, t in enumerate(ids)] == [True] * len(ids)
+    # llguidance stops as soon as nothing but the end can follow (the request ends there, so its last row
+    # is never sampled); xgrammar stops at the stop token, which is all its last row allows.
+    stops_early = backend == "guidance"
+    assert rows[len(ids)].all() if stops_early else rows[len(ids)].sum() == 1
+    assert rows[len(ids)][smol_tokenizer.eos_token_id]
+    for t in ids[:-1]:
         assert not mgr.accept_token("r", t)
-    mgr.rollback("r", len(ids))
-    for t in ids:
-        assert not mgr.accept_token("r", t)
-    assert mgr.accept_token("r", smol_tokenizer.eos_token_id)  # the grammar ended: the request is done
+    if stops_early:
+        assert mgr.accept_token("r", ids[-1])
+    else:
+        assert not mgr.accept_token("r", ids[-1])
+        assert mgr.accept_token("r", smol_tokenizer.eos_token_id)  # the grammar ended: the request is done
     mgr.free("r")
     assert "r" not in mgr
 
@@ -217,3 +233,28 @@ def test_thinking_ended_in_prompt():
     assert thinking_ended_in([1, 5, 2, 6], [5], [6])
     assert not thinking_ended_in([1, 6, 5], [5], [6])
     assert not thinking_ended_in([1, 2], [5], [6])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_filling_many_rows_at_once_equals_one_by_one(smol_tokenizer, backend):
+    """A step's rows filled together (xgrammar's threaded batch) are the rows each matcher fills alone."""
+    c = GrammarCompiler(smol_tokenizer, VOCAB, [smol_tokenizer.eos_token_id], StructuredOutputsConfig(backend=backend))
+    grammar = c.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 8}, "b": {"enum": ["x", "yy"]}}, "required": ["a", "b"]}))
+    texts = ['', '{"a": "', '{"a": "hi', '{"a": "hi", "b": ', '{"a": "hi", "b": "yy"}']
+    matchers = []
+    for text in texts:
+        m = grammar.new_matcher()
+        for t in smol_tokenizer.encode(text, add_special_tokens=False):
+            assert m.accept_token(t)
+        matchers.append(m)
+    words = -(-VOCAB // 32)
+    alone = torch.zeros((len(texts), words), dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(alone, i)
+    together = torch.zeros((len(texts) + 2, words), dtype=torch.int32)
+    rows = [6, 0, 3, 1, 5]  # any rows, in any order
+    type(matchers[0]).fill_bitmasks(matchers, together, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(together[row], alone[i]), texts[i]
+    assert len({tuple(r.tolist()) for r in alone}) == len(texts)  # the states differ: the check can fail

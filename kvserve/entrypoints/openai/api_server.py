@@ -389,7 +389,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         admission=admission or AdmissionLimits(),
     )
     metrics = EngineMetrics(settings.served_model_name)
-    engine = AsyncEngine(engine_args, metrics, max_waiting_sequences=settings.admission.max_waiting_requests)
+    engine = AsyncEngine(config, metrics, max_waiting_sequences=settings.admission.max_waiting_requests)
     state = ServerState(engine=engine, metrics=metrics, settings=settings)
     app = build_app(state)
     # The drain (above) already waited for the requests; uvicorn's own wait only flushes their last bytes.

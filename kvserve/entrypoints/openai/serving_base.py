@@ -428,9 +428,12 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclasses.dataclass(frozen=True)
 class RequestCounts:
-    """What usage reports beyond tokens (kvserve's additions): how often the engine evicted the request's
-    K/V (KV cache too small), and with speculative decoding its draft tokens verified and accepted."""
+    """What usage reports, as the engine counted it (RequestMetrics): prompt and generated tokens; and
+    kvserve's additions: how often the engine evicted the request's K/V (KV cache too small), and with
+    speculative decoding its draft tokens verified and accepted."""
 
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -439,21 +442,22 @@ class RequestCounts:
     def of(cls, out) -> "RequestCounts":
         """The request's counts so far, from one of its RequestOutputs."""
         metrics = getattr(out, "metrics", None)
-        return cls(getattr(out, "num_preemptions", 0), getattr(metrics, "num_draft_tokens", 0),
+        return cls(getattr(metrics, "num_prompt_tokens", 0), getattr(metrics, "num_generation_tokens", 0),
+                   getattr(out, "num_preemptions", 0), getattr(metrics, "num_draft_tokens", 0),
                    getattr(metrics, "num_accepted_tokens", 0))
 
     @classmethod
     def total(cls, counts) -> "RequestCounts":
         counts = list(counts)
-        return cls(*(sum(getattr(c, f) for c in counts) for f in ("num_preemptions", "num_draft_tokens",
-                                                                   "num_accepted_tokens")))
+        return cls(*(sum(getattr(c, f.name) for c in counts) for f in dataclasses.fields(cls)))
 
 
-def usage(num_prompt: int, num_completion: int, counts: RequestCounts | None = None) -> dict:
+def usage(counts: RequestCounts) -> dict:
+    num_prompt, num_completion = counts.num_prompt_tokens, counts.num_generation_tokens
     out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
-    if counts is not None and counts.num_preemptions:
+    if counts.num_preemptions:
         out["num_preemptions"] = counts.num_preemptions
-    if counts is not None and counts.num_draft_tokens:
+    if counts.num_draft_tokens:
         out["num_draft_tokens"] = counts.num_draft_tokens
         out["num_accepted_tokens"] = counts.num_accepted_tokens
     return out

@@ -270,7 +270,7 @@ class ServingChat(ServingBase):
                                                     echo, deadline), lambda: self.abort_all(streams))
         result = await until_disconnect(raw, self._collect(req, streams[0]), lambda: self.abort_all(streams),
                                         deadline)
-        return JSONResponse(self._response(req, request_id, created, len(token_ids), reader, *result, echo=echo))
+        return JSONResponse(self._response(req, request_id, created, reader, *result, echo=echo))
 
     def _echo(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's content, when that message has the reply's role."""
@@ -304,13 +304,11 @@ class ServingChat(ServingBase):
             self.engine.abort(stream.request_id)
         return texts, tokens, logprobs, finish, counts, prompt_logprobs
 
-    def _response(self, req, request_id, created, num_prompt, reader, texts, tokens, logprobs, finish,
+    def _response(self, req, request_id, created, reader, texts, tokens, logprobs, finish,
                   counts: RequestCounts | None = None, prompt_logprobs=None, echo: str = "") -> dict:
         choices = []
-        num_completion = 0
         for k in range(req.n):
             ids = tokens.get(k, [])
-            num_completion += len(ids)
             lp = None
             if req.logprobs:
                 lp = {"content": chat_logprobs(ids, logprobs.get(k, []), req.top_logprobs or 0, self.tokenizer),
@@ -327,7 +325,7 @@ class ServingChat(ServingBase):
             })
         response = {"id": request_id, "object": "chat.completion", "created": created,
                     "model": self.served_model_name, "choices": choices,
-                    "usage": usage(num_prompt, num_completion, counts)}
+                    "usage": usage(counts)}
         if prompt_logprobs is not None:  # vLLM's field, beside choices
             response["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, self.tokenizer)
         return response
@@ -338,7 +336,7 @@ class ServingChat(ServingBase):
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
-        num_completion, counts = 0, RequestCounts()
+        counts = RequestCounts(num_prompt_tokens=num_prompt)  # until the engine's first output
         choice_streams = [reader.streamer() for _ in range(req.n)]
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
@@ -346,7 +344,7 @@ class ServingChat(ServingBase):
                 first = {**base, "choices": [{"index": k, "delta": {"role": self.response_role, "content": ""},
                                               "logprobs": None, "finish_reason": None}]}
                 if continuous:
-                    first["usage"] = usage(num_prompt, 0)
+                    first["usage"] = usage(counts)
                 yield sse(first)
             if echo:
                 for k in range(req.n):
@@ -355,7 +353,6 @@ class ServingChat(ServingBase):
             async for out in before_deadline(stream, deadline):
                 counts = RequestCounts.of(out)  # the request's counts so far
                 for c in out.outputs:
-                    num_completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue  # nothing new (as vLLM: a step with tokens is a chunk, even with no text yet)
                     lp = None
@@ -372,10 +369,10 @@ class ServingChat(ServingBase):
                             "finish_reason": finish_reason if last else None,
                             "stop_reason": c.stop_reason if last else None}]}
                         if continuous:
-                            chunk["usage"] = usage(num_prompt, num_completion, counts)
+                            chunk["usage"] = usage(counts)
                         yield sse(chunk)
             if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_completion, counts)})
+                yield sse({**base, "choices": [], "usage": usage(counts)})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)

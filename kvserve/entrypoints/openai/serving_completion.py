@@ -39,7 +39,7 @@ class _Prompt:
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
         self.prompt_logprobs = None
-        self.counts = RequestCounts()
+        self.counts = RequestCounts(num_prompt_tokens=len(token_ids))  # until the engine's first output
 
     def keep_prompt_logprobs(self, out) -> None:
         # They arrive once, with the first output of the request.
@@ -134,12 +134,9 @@ class ServingCompletion(ServingBase):
 
     def _response(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt]) -> dict:
         choices = []
-        num_prompt = num_completion = 0
         for i, p in enumerate(prompts):
-            num_prompt += len(p.token_ids)
             for k in range(req.n):
                 text, ids, positions = p.texts.get(k, ""), p.tokens.get(k, []), p.logprobs.get(k, [])
-                num_completion += len(ids)
                 logprobs = None
                 if req.echo:
                     text = (p.text or "") + text
@@ -155,21 +152,18 @@ class ServingCompletion(ServingBase):
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name,
                 "choices": choices,
-                "usage": usage(num_prompt, num_completion, RequestCounts.total(p.counts for p in prompts))}
+                "usage": usage(RequestCounts.total(p.counts for p in prompts))}
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, prompts: list[_Prompt], streams,
                       deadline=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        num_prompt = sum(len(p.token_ids) for p in prompts)
-        num_completion = 0
         try:
             async for i, out in before_deadline(merged(streams), deadline):
                 p = prompts[i]
                 p.keep_prompt_logprobs(out)
                 p.counts = RequestCounts.of(out)  # the request's counts so far
                 for c in out.outputs:
-                    num_completion += len(c.token_ids)
                     if (not c.text and not c.token_ids and c.finish_reason is None
                             and not (req.echo and c.index not in p.started)):
                         continue  # nothing new (as vLLM: a step with tokens is a chunk, even with no text yet)
@@ -180,12 +174,12 @@ class ServingCompletion(ServingBase):
                              "choices": [{"index": i * req.n + c.index, "text": text, "logprobs": logprobs,
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                     if continuous:
-                        chunk["usage"] = usage(num_prompt, num_completion, RequestCounts.total(q.counts for q in prompts))
+                        chunk["usage"] = usage(RequestCounts.total(q.counts for q in prompts))
                     yield sse(chunk)
             if include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
                            "model": self.served_model_name, "choices": [],
-                           "usage": usage(num_prompt, num_completion, RequestCounts.total(q.counts for q in prompts))})
+                           "usage": usage(RequestCounts.total(q.counts for q in prompts))})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in the stream
             err = engine_error(e)
             yield sse_error(err.message, err.status)
