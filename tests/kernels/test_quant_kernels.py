@@ -159,7 +159,8 @@ def _uses_bf16_dot(path, rows: int) -> bool:
                                         pytest.param(*INT_CASES[3], id=INT_IDS[3]),
                                         pytest.param(*INT_CASES[5], id=INT_IDS[5], marks=interpreter_only)])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40, 256, 300])  # skinny M=1, skinny dot, mma, dequant + matmul
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=interpreter_only), torch.bfloat16],
+                         ids=["fp32", "bf16"])  # compiled: as served (the kernel tests above cover fp32)
 @pytest.mark.parametrize("table", ["engine", "mma"])  # the table as it is; with the mma kernel in its buckets
 def test_int_matmul_dispatch(method, opt, rows, dtype, table, monkeypatch):
     """The engine's entry point at every path its table picks by M, against the reference
