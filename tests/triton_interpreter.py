@@ -23,6 +23,18 @@ KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
 KERNEL_TIER = [] if INTERPRETED else [pytest.mark.gpu]
 # For the few cases that only the compiled tier can check (the interpreter's bf16 tl.dot multiplies raw bits).
 compiled_only = pytest.mark.skipif(INTERPRETED, reason="the interpreter cannot run this case (bf16 tl.dot)")
+# For the cases that would add compiled variants (a compile each, ~1-2 s) but no coverage beyond the GPU tier's
+# other cases; the interpreter compiles nothing and keeps them. Under the interpreter, `-m "not interpreter_only"`
+# runs what the GPU tier runs (less its compiled_only cases).
+interpreter_only = [pytest.mark.interpreter_only,
+                    pytest.mark.skipif(not INTERPRETED, reason="compiled: a variant the other cases cover")]
+
+
+def gpu_tier_cases(cases, on_gpu, case_id) -> list:
+    """pytest.param for each case (a tuple of the parametrized values), named case_id(*case), marked
+    interpreter_only unless on_gpu(*case)."""
+    return [pytest.param(*case, id=case_id(*case), marks=() if on_gpu(*case) else interpreter_only)
+            for case in cases]
 
 
 def interpreter_unusable() -> str | None:

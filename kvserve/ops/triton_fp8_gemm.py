@@ -13,6 +13,8 @@ Few output tiles (small N) leave SMs idle: K is then split into fp32 partials su
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +61,44 @@ def _w8a16_kernel(
 # was best or within 5% of the best everywhere; the first guess (16, 512, 4, 4) was 1.2-1.8x slower.
 CONFIG = (32, 256, 4, 4)
 
+# What a program may use when there is no GPU to ask (the interpreter on CPU): an H100/H200's opt-in
+# shared memory per block, 227 KiB.
+DEFAULT_SHARED_MEMORY = 232448
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    # The limit Triton itself checks a compiled kernel's shared memory against at launch.
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_SHARED_MEMORY
+
+
+def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, x_bytes: int) -> int:
+    """One program's shared memory as Triton lays _w8a16_kernel out: num_stages - 1 pipelined copies of the
+    x tile and the e4m3 weight tile, plus the weight tile converted to x's dtype for tl.dot."""
+    return max(stages - 1, 1) * block_k * (block_m * x_bytes + block_n) + block_n * block_k * x_bytes
+
+
+def fit_shared_memory(block_m: int, config: tuple[int, int, int, int], x_bytes: int, limit: int
+                      ) -> tuple[int, int, int, int]:
+    """config, with fewer pipeline stages and then a smaller BLOCK_K until it fits `limit` bytes (unchanged
+    where it fits: the 16-bit serving configs; fp32 activations need twice the x tile)."""
+    block_n, block_k, warps, stages = config
+    while shared_memory_bytes(block_m, block_n, block_k, stages, x_bytes) > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_k > 16:
+            block_k //= 2
+        else:
+            raise ValueError(f"w8a16_gemm: no BLOCK_K fits {limit} bytes of shared memory at BLOCK_M {block_m}, "
+                             f"BLOCK_N {block_n}; pass a config with a smaller BLOCK_N")
+    return block_n, block_k, warps, stages
+
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -68,8 +108,9 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, warps, stages = config or CONFIG
     block_m = max(16, triton.next_power_of_2(min(m, 64)))
+    block_n, block_k, warps, stages = fit_shared_memory(block_m, config or CONFIG, x.element_size(),
+                                                        shared_memory_limit(x.device))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     if split_k is None:
         sms = splits.num_sms(x.device)

@@ -4,11 +4,13 @@ and the FP8 variants that also quantize their output per token for the next GEMM
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interpreter import INTERPRETED, KERNEL_DEVICE, KERNEL_TIER
+from tests.triton_interpreter import INTERPRETED, KERNEL_DEVICE, KERNEL_TIER, gpu_tier_cases
 
 pytest.importorskip("triton")
 
@@ -35,18 +37,24 @@ def _rows(n_rows, n_cols, dtype, seed):
     return (torch.randn(n_rows, n_cols, generator=g) * torch.logspace(-2, 1, n_rows)[:, None]).to(dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n_rows,n_cols", [(3, 64), (5, 4096), (2, 1000)])
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def _case_id(dtype, rows, cols, *flags):
+    return "-".join([DTYPE_IDS[DTYPES.index(dtype)], f"{rows}x{cols}", *flags])
+
+
+# Compiled: every dtype with the residual add (every layer's norm but the first), the plain norm in bf16.
+@pytest.mark.parametrize("dtype,n_rows,n_cols,with_residual", gpu_tier_cases(
+    [(dtype, rows, cols, res) for dtype, (rows, cols), res in itertools.product(
+        DTYPES, [(3, 64), (5, 4096), (2, 1000)], ["plain", "residual"])],
+    lambda dtype, rows, cols, res: dtype == torch.bfloat16 or res == "residual", _case_id))
 def test_rms_norm(dtype, n_rows, n_cols, with_residual):
     from kvserve.ops.fused_kernels import rms_norm
 
     x, r = _rows(n_rows, n_cols, dtype, 1), _rows(n_rows, n_cols, dtype, 2)
     weight = (1 + 0.1 * _rows(1, n_cols, torch.float32, 3)[0]).to(dtype)
-    residual = r if with_residual else None
+    residual = r if with_residual == "residual" else None
     got = rms_norm(x, weight, 1e-5, residual)
     want = _rms_norm_reference(x, weight, 1e-5, residual)
-    if with_residual:  # x + r: one rounding of the same sum (the interpreter truncates bf16)
+    if residual is not None:  # x + r: one rounding of the same sum (the interpreter truncates bf16)
         exact = not (INTERPRETED and dtype == torch.bfloat16)
         torch.testing.assert_close(got[1], want[1], atol=0, rtol=0 if exact else TOL[dtype])
         got, want = got[0], want[0]
@@ -128,10 +136,13 @@ def _same_fp8(got, q, scale, dtype):
     assert torch.equal(got.scale, scale)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n_rows,n_cols", [(3, 64), (5, 4096), (2, 1000)])
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+# Compiled: the 16-bit dtypes an FP8 model serves in, fp16 on the served flags (residual add, dynamic scales)
+# and every flag in bf16; fp32 and the rest of the cross product only add compile time there.
+@pytest.mark.parametrize("dtype,n_rows,n_cols,with_residual,static", gpu_tier_cases(
+    [(dtype, rows, cols, res, static) for dtype, (rows, cols), res, static in itertools.product(
+        DTYPES, [(3, 64), (5, 4096), (2, 1000)], ["plain", "residual"], ["dynamic", "static"])],
+    lambda dtype, rows, cols, res, static: dtype == torch.bfloat16 or (
+        dtype == torch.float16 and (res, static) == ("residual", "dynamic")), _case_id))
 def test_rms_norm_fp8_is_rms_norm_then_per_token_quant(dtype, n_rows, n_cols, with_residual, static):
     """Bit for bit the unfused pair: the 16-bit RMSNorm kernel, then the per-token quantization kernel."""
     from kvserve.ops.fp8_quant import quantize_per_token
@@ -140,26 +151,28 @@ def test_rms_norm_fp8_is_rms_norm_then_per_token_quant(dtype, n_rows, n_cols, wi
     x, r = _rows(n_rows, n_cols, dtype, 6), _rows(n_rows, n_cols, dtype, 7)
     x[0] = 0  # an all-zero row takes the minimum scale
     weight = (1 + 0.1 * _rows(1, n_cols, torch.float32, 8)[0]).to(dtype)
-    residual = r if with_residual else None
-    static_scale = torch.tensor([0.05], device=DEVICE) if static else None
+    residual = r if with_residual == "residual" else None
+    static_scale = torch.tensor([0.05], device=DEVICE) if static == "static" else None
     want = rms_norm(x, weight, 1e-5, residual)
     got = rms_norm_fp8(x, weight, 1e-5, residual, static_scale)
-    if with_residual:
+    if residual is not None:
         assert torch.equal(got[1], want[1])
         got, want = got[0], want[0]
     _same_fp8(got, *quantize_per_token(want, static_scale), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n_rows,intermediate", [(1, 128), (7, 14336 // 8), (3, 1000)])
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("dtype,n_rows,intermediate,static", gpu_tier_cases(
+    [(dtype, rows, cols, static) for dtype, (rows, cols), static in itertools.product(
+        DTYPES, [(1, 128), (7, 14336 // 8), (3, 1000)], ["dynamic", "static"])],
+    lambda dtype, rows, cols, static: dtype == torch.bfloat16 or (dtype == torch.float16 and static == "dynamic"),
+    _case_id))
 def test_silu_and_mul_fp8_is_silu_and_mul_then_per_token_quant(dtype, n_rows, intermediate, static):
     from kvserve.ops.fp8_quant import quantize_per_token
     from kvserve.ops.fused_kernels import silu_and_mul, silu_and_mul_fp8
 
     gate_up = _rows(n_rows, 2 * intermediate, dtype, 9)
     wide = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * intermediate]  # a row stride past the row's end
-    static_scale = torch.tensor([0.02], device=DEVICE) if static else None
+    static_scale = torch.tensor([0.02], device=DEVICE) if static == "static" else None
     for x in (gate_up, wide):
         _same_fp8(silu_and_mul_fp8(x, static_scale), *quantize_per_token(silu_and_mul(x), static_scale), dtype)
 
