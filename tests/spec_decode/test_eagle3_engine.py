@@ -10,25 +10,20 @@ import json
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.config import EngineArgs
 from kvserve.worker.input_batch import RequestState
-from tests.conftest import TINY_VOCAB, random_prompts
+from tests.conftest import TINY_VOCAB
 from tests.eagle3_reference import reference_chain, save_random_head
+from tests.spec_decode.engine_settings import GREEDY, ROOMY, TIGHT, shared_prefix_prompts
 
 K = 3
 H, HEADS, KV_HEADS, INTER, DRAFT_VOCAB = 64, 4, 2, 96, 700
 AUX_LAYERS = [1, 2, 3]
-TIGHT = dict(max_model_len=80, block_size=16, num_gpu_blocks_override=5, max_num_batched_tokens=32,
-             max_num_seqs=3, enable_chunked_prefill=True, enable_prefix_caching=True)
-ROOMY = dict(max_model_len=160, block_size=16, num_gpu_blocks_override=40, max_num_seqs=4,
-             enable_prefix_caching=True)
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _prompts() -> list[list[int]]:
-    base = random_prompts(3, 36, 44, seed=11)
-    return [base[0], base[0][:32] + base[1][:9], base[2]]
+    return shared_prefix_prompts(seed=11)
 
 
 @pytest.fixture(scope="module")
