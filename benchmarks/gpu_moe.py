@@ -216,6 +216,19 @@ def engine(results: dict, num_requests: int, quantization: str | None, args) -> 
     release()
 
 
+def load_vllm(directory: str | None) -> dict:
+    """vLLM's results on the same shape and requests, by configuration; each checked to be the same workload."""
+    out = {}
+    for label in ("bf16", "fp8"):
+        path = os.path.join(directory or "", f"vllm_bench_moe_{label}.json")
+        if directory and os.path.exists(path):
+            with open(path) as f:
+                res = json.load(f)
+            assert res["shape"] == "qwen3-30b-a3b" and res["output_tokens"] == sum(o for _, o in w1_requests()), path
+            out[label] = res
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     add_w1_run_args(ap)
@@ -223,6 +236,9 @@ def main():
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--vllm-dir", help="where vLLM's runs of the same shape left vllm_bench_moe_bf16.json and "
+                                       "vllm_bench_moe_fp8.json (the bundle's vllm_bench.py --shape qwen3-30b-a3b "
+                                       "--tag _moe_bf16, and --extra '{\"quantization\": \"fp8\"}' --tag _moe_fp8)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -251,13 +267,22 @@ def main():
         print(f"\n| parity (small Qwen3-MoE, bf16) | identical vs HF {p['identical_vs_hf']}/8; splits at HF top-2 "
               f"margins {[r['hf_top2_logit_margin_at_split'] for r in p['vs_hf'] if not r['identical']]}; graphs == "
               f"eager {p['graphs_equal_eager']}; chunked identical {p['chunked_identical_vs_hf']}/8 |")
-    print("\n| Qwen3-30B-A3B shape, dummy weights | W1 output tok/s (s) | batch-1 tok/s | weights GiB | start (s) |")
-    print("|---|---|---|---|---|")
+    vllm = load_vllm(args.vllm_dir)
+    results["vllm"] = vllm
+    print("\n| Qwen3-30B-A3B shape, dummy weights | W1 output tok/s (s) | batch-1 tok/s | weights GiB | start (s) "
+          "| vLLM W1 / batch-1 tok/s | kvserve / vLLM W1, batch-1 (target >= 1.00x) |")
+    print("|---|---|---|---|---|---|---|")
     for label in ("bf16", "fp8"):
         if f"{label}_w1" in results:
             w, b = results[f"{label}_w1"], results[f"{label}_batch1"]
+            v = vllm.get(label)
+            versus = (f"{v['vllm_offline_out_tok_per_s']} / {v['bs1_out_tok_per_s']} | "
+                      f"{w['output_tok_s'] / v['vllm_offline_out_tok_per_s']:.2f}x, "
+                      f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "not run | -")
             print(f"| {label} | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | "
-                  f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} |")
+                  f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} | {versus} |")
+    with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
+        json.dump(results, f, indent=1)
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")
     raise SystemExit(0 if ok else 1)

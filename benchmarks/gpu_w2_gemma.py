@@ -1,7 +1,10 @@
 """W2 on the GPU: a Gemma-3-12B-shaped text model (dummy bf16 weights, 40 layers with a 1024-token window,
 8 full layers) on 64 long prompts (6,000-15,000 tokens, 128-512 outputs; kvserve/bench/datasets.py).
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_w2_gemma.py [--out DIR] [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_w2_gemma.py [--out DIR] [--quick] [--vllm-json FILE]
+
+with `--vllm-json` the result of benchmarks/vllm_w2_gemma.py (vLLM 0.26.0, same model and requests) from an
+earlier command on the same machine, for the kvserve / vLLM ratio.
 
 1. kernels: the windowed / soft-capped Triton attention against the dense definition and the torch
    backend (pytest tests/kernels/test_triton_attention_window.py, which runs compiled on CUDA, `gpu` tests
@@ -117,7 +120,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="W2's first 16 requests only")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="the step budget (vLLM 0.26.0's default on an H200, so both engines get the same)")
+    ap.add_argument("--vllm-json", help="vLLM's result on the same run (benchmarks/vllm_w2_gemma.py): adds ratios")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     results = {"device": torch.cuda.get_device_name()}
@@ -141,6 +146,18 @@ def main():
     print(f"| KV cache groups / blocks / longest request (tokens) | {w2['kv_cache_groups']} / {w2['kv_blocks']:,} / "
           f"{w2['kv_cache_tokens']:,} |")
     print(f"| preemptions | {w2['preemptions']} |")
+    if args.vllm_json and os.path.exists(args.vllm_json):
+        with open(args.vllm_json) as f:
+            vllm = json.load(f)
+        results["vllm"] = vllm
+        assert vllm["output_tokens"] == w2["output_tokens"] and vllm["input_tokens"] == w2["prompt_tokens"], \
+            "vLLM ran other requests"
+        ratio = vllm["elapsed_s"] / w2["seconds"]
+        print(f"| vLLM {vllm['vllm_version']}: seconds / output tok/s (step budget {vllm.get('max_num_batched_tokens')}) "
+              f"| {vllm['elapsed_s']} / {vllm['vllm_offline_out_tok_per_s']:,} |")
+        print(f"| kvserve / vLLM throughput (target >= 1.00x) | {ratio:.2f}x {'met' if ratio >= 1 else 'MISSED'} |")
+        with open(os.path.join(args.out, "gpu_w2_gemma.json"), "w") as f:
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
