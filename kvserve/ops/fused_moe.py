@@ -68,7 +68,7 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: tor
 
 def _fp8_rows(t: torch.Tensor) -> torch.Tensor:
     """t quantized per row to e4m3 as the W8A8 kernels quantize it, dequantized to fp32."""
-    from kvserve.model.quantization.fp8 import quantize_per_token
+    from kvserve.ops.fp8_e4m3 import quantize_per_token
 
     q, scale = quantize_per_token(t)
     return q.float() * scale

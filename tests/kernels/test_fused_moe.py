@@ -175,7 +175,7 @@ def test_triton_fused_moe_w8a8_with_biases_clamped_swiglu_and_expert_parallel_eq
 def test_w8a8_reference_quantizes_each_gemms_input_per_row():
     """The reference's W8A8 math, spelled out for one expert: x's rows and the activated rows quantized to e4m3
     (max |row| / 448), dequantized, multiplied by the dequantized weights in fp32."""
-    from kvserve.model.quantization.fp8 import quantize_per_token
+    from kvserve.ops.fp8_e4m3 import quantize_per_token
 
     x, q13, q2, weights, ids, s13, s2 = _fp8_case(5, 1, 1, 32, 16, torch.float32)
     dq = lambda t: (lambda q, s: q.float() * s)(*quantize_per_token(t))  # noqa: E731

@@ -190,7 +190,7 @@ def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from kvserve.model.quantization.fp8 import quantize_per_channel
+    from kvserve.ops.fp8_e4m3 import quantize_per_channel
 
     path, _ = moe_model(arch)
     weights = load_file(f"{path}/model.safetensors")

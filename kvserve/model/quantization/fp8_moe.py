@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from kvserve.model.moe import UnquantizedMoEMethod
-from kvserve.model.quantization.fp8 import cuda_has_fp8, quantize_per_channel
+from kvserve.model.quantization.fp8 import cuda_has_fp8
+from kvserve.ops.fp8_e4m3 import quantize_per_channel
 
 
 class Fp8MoEPath(NamedTuple):
