@@ -19,11 +19,12 @@ weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [
 * weight-only (W8A16): the kernel converts each e4m3 weight tile to the activation dtype and multiplies in it;
   the per-channel scale is applied to the fp32 accumulator after the K loop.
 * W8A8 (`quantize_activations`): each GEMM's A operand is quantized per row to e4m3 with a dynamic scale
-  (max |row| / 448, kvserve/ops/fp8_e4m3.py; in Triton fp8_quant.py): x once per token for gate_up (a token's K pairs share its row
-  and its scale), the activated pairs per pair row for the down projection (in the SiLU-and-mul kernel itself,
-  silu_and_mul_fp8; after gpt-oss's activation, a separate pass). tl.dot multiplies e4m3 by e4m3 on the FP8
-  tensor cores into fp32, scaled after the K loop by a_scale[row] * w_scale[column]. Twice the bf16 MMA rate,
-  one more launch (x's quantization) than weight-only, and the activations' rounding to 3 mantissa bits.
+  (max |row| / 448: kvserve/ops/fp8_e4m3.py, in Triton fp8_quant.py): x once per token for gate_up (a token's
+  K pairs share its row and its scale), the activated pairs per pair row for the down projection (in the
+  SiLU-and-mul kernel itself, silu_and_mul_fp8; after gpt-oss's activation, a separate pass). tl.dot multiplies
+  e4m3 by e4m3 on the FP8 tensor cores into fp32, scaled after the K loop by a_scale[row] * w_scale[column].
+  Twice the bf16 MMA rate, one more launch (x's quantization) than weight-only, and the activations' rounding
+  to 3 mantissa bits.
 The reference dequantizes the weights (and, for W8A8, quantizes and dequantizes the activations the same way,
 multiplying in fp32).
 Experts not on this rank (expert parallelism) have id -1 in `local_ids` and contribute nothing.
