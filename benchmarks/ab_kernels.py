@@ -234,7 +234,7 @@ def int4(rows_out: list, sweep: bool = False) -> None:
 
 
 def _fp8_layer(k: int, n: int):
-    from kvserve.model.quantization.fp8 import quantize_per_channel
+    from kvserve.ops.fp8_e4m3 import quantize_per_channel
 
     g = torch.Generator(device="cuda").manual_seed(k + n)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05 * torch.rand(n, 1, device="cuda", generator=g)

@@ -4,10 +4,13 @@
 
 1. kernel: the Triton fused-MoE (kvserve/ops/fused_moe.py) against the torch reference in fp32 on the same bf16
    inputs, for 1..8192 tokens, at Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048, expert width 768) and
-   Mixtral-8x7B's (8 experts, top-2, hidden 4096, width 14336); bf16 and fp8 experts; time per call (CUDA
-   graph replays, median) next to the torch reference in bf16 (one pair of GEMMs per expert hit) and the bytes
-   of expert weights a call reads. `--sweep` also times a few tile configurations per size (for tuning
-   `_gemm_config`).
+   Mixtral-8x7B's (8 experts, top-2, hidden 4096, width 14336); bf16 experts, and fp8 experts both ways:
+   weight-only ("fp8", W8A16) and W8A8 ("fp8_w8a8", activations quantized per row; its error against the W8A8
+   reference, and against the fp32 weight-only reference: what quantizing the activations costs); time per call
+   (CUDA graph replays, median) next to the torch reference in bf16 (one pair of GEMMs per expert hit) and the
+   bytes of expert weights a call reads. From the two fp8 paths' times it prints the weight-only bound for
+   `kvserve/model/quantization/fp8_moe.py`'s FP8_MOE_PATHS that the measurements favour. `--sweep` also times a
+   few tile configurations per size, bf16 and fp8 W8A8 (for tuning `_gemm_config`).
 2. parity: a small random bf16 Qwen3-MoE, kvserve (Triton, CUDA graphs) vs HF transformers greedy on 8 prompts
    (where bf16 rounding splits them, the HF logit margin at the split), and graphs vs --enforce-eager.
 3. engine: a Qwen3-30B-A3B-shaped model (48 layers, 32 heads, 4 KV heads, head_dim 128, 128 experts, 8 per
@@ -46,6 +49,29 @@ SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stage
                                   (32, 64, 128, 4, 4, 3), (64, 64, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3),
                                   (64, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3))]
 TOLERANCE = 2e-2  # max |triton - reference| / max |reference| for bf16 operands
+# W8A8 against its own reference (the same quantized activations): only sums in another order differ, and
+# with them now and then one e4m3 rounding of an activated element.
+W8A8_TOLERANCE = 1e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def fp8_moe_weight_only_bound(rows: list) -> dict:
+    """The FP8_MOE_PATHS weight-only bound (steps of up to that many tokens weight-only, more W8A8) that these
+    measurements favour: the one with the least time summed over the token counts, each shape's time relative
+    to its faster path's so both shapes count alike; 0: W8A8 at every size."""
+    candidates = [0] + sorted({r["tokens"] for r in rows})
+
+    def cost(bound):
+        return sum((r["fp8_ms"] if r["tokens"] <= bound else r["fp8_w8a8_ms"]) / min(r["fp8_ms"], r["fp8_w8a8_ms"])
+                   for r in rows)
+
+    best = min(candidates, key=cost)
+    return {"weight_only_up_to_tokens": best, "relative_cost": round(cost(best) / len(rows), 4),
+            "relative_cost_all_w8a8": round(cost(0) / len(rows), 4),
+            "relative_cost_all_weight_only": round(cost(candidates[-1]) / len(rows), 4)}
 
 
 def release():
@@ -115,19 +141,27 @@ def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, 
         weights, ids = torch.topk(logits.softmax(-1), top_k)
         hit = int(torch.unique(ids).numel())
         row = {"shape": label, "tokens": tokens, "experts_hit": hit}
-        for kind, a, b, sa, sb in (("bf16", w13, w2, None, None), ("fp8", q13, q2, s13, s2)):
-            # fp32 reference on the same operands (fp8 weights dequantized in fp32)
-            ref = fused_moe_torch(x.float(), w13_f32 if sa is None else a, w2_f32 if sb is None else b,
-                                  weights, ids, sa, sb)
-            out = fused_moe_triton(x, a, b, weights, ids, sa, sb)
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        fp8_weight_only_ref = None
+        for kind, a, b, sa, sb, w8a8 in (("bf16", w13, w2, None, None, False), ("fp8", q13, q2, s13, s2, False),
+                                         ("fp8_w8a8", q13, q2, s13, s2, True)):
+            # fp32 reference on the same operands (fp8 weights dequantized in fp32); W8A8: the reference's W8A8
+            # math on the bf16 x (gate_up rounded to bf16 where the kernel stores it)
+            ref = fused_moe_torch(x if w8a8 else x.float(), w13_f32 if sa is None else a,
+                                  w2_f32 if sb is None else b, weights, ids, sa, sb, quantize_activations=w8a8)
+            out = fused_moe_triton(x, a, b, weights, ids, sa, sb, quantize_activations=w8a8)
+            err = rel_err(out, ref)
             row[f"{kind}_rel_err"] = round(err, 5)
-            ok &= err < TOLERANCE and bool(torch.isfinite(out).all())
-            call = functools.partial(fused_moe_triton, x, a, b, weights, ids, sa, sb)
+            ok &= err < (W8A8_TOLERANCE if w8a8 else TOLERANCE) and bool(torch.isfinite(out).all())
+            if kind == "fp8":
+                fp8_weight_only_ref = ref
+            if w8a8:
+                row["fp8_w8a8_err_vs_weight_only_ref"] = round(rel_err(out, fp8_weight_only_ref), 5)
+            call = functools.partial(fused_moe_triton, x, a, b, weights, ids, sa, sb, quantize_activations=w8a8)
             ms = graph_time_ms(call)
             row[f"{kind}_ms"] = round(ms, 4)
             row[f"{kind}_weight_GBps"] = round(hit * expert_elements * (2 if sa is None else 1) / ms / 1e6, 1)
             del ref, out
+        del fp8_weight_only_ref
         # The sort of pairs into expert blocks: one Triton launch vs the torch version (the reference).
         block_m = fused_moe._gemm_config(tokens * top_k, experts)["BLOCK_M"]
         row["align_triton_ms"] = round(graph_time_ms(
@@ -140,19 +174,22 @@ def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, 
         if tokens <= 2048:  # the per-expert loop syncs on the host: eager timing only
             row["torch_bf16_ms"] = round(eager_time_ms(functools.partial(fused_moe_torch, x, w13, w2, weights, ids)), 4)
         if sweep and tokens in (1, 16, 256, 2048, 8192):
-            default, best = fused_moe._gemm_config, None
-            for cfg in SWEEP:
-                fused_moe._gemm_config = lambda pairs, e, cfg=cfg: cfg
-                try:
-                    ms = graph_time_ms(functools.partial(fused_moe_triton, x, w13, w2, weights, ids), iters=10)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not fit the GPU's shared memory
-                    print("sweep: config", cfg, "failed:", type(exc).__name__, flush=True)
-                    continue
-                finally:
-                    fused_moe._gemm_config = default
-                if best is None or ms < best[0]:
-                    best = (round(ms, 4), cfg)
-            row["sweep_best_bf16"] = best
+            for kind, call in (("bf16", functools.partial(fused_moe_triton, x, w13, w2, weights, ids)),
+                               ("fp8_w8a8", functools.partial(fused_moe_triton, x, q13, q2, weights, ids, s13, s2,
+                                                              quantize_activations=True))):
+                default, best = fused_moe._gemm_config, None
+                for cfg in SWEEP:
+                    fused_moe._gemm_config = lambda pairs, e, cfg=cfg: cfg
+                    try:
+                        ms = graph_time_ms(call, iters=10)
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit the GPU's shared memory
+                        print("sweep:", kind, "config", cfg, "failed:", type(exc).__name__, flush=True)
+                        continue
+                    finally:
+                        fused_moe._gemm_config = default
+                    if best is None or ms < best[0]:
+                        best = (round(ms, 4), cfg)
+                row[f"sweep_best_{kind}"] = best
         rows.append(row)
         print("kernel", json.dumps(row), flush=True)
     return ok
@@ -254,14 +291,26 @@ def main():
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
 
-    print("\n| kernel: shape, tokens | bf16 ms (rel err) | fp8 ms (rel err) | torch ref bf16 ms | weights GB/s bf16/fp8 "
+    print("\n| kernel: shape, tokens | bf16 ms (rel err) | fp8 weight-only ms (rel err) | fp8 W8A8 ms (rel err; vs "
+          "weight-only ref) | W8A8 / weight-only time | torch ref bf16 ms | weights GB/s bf16/fp8/fp8 W8A8 "
           "| align ms triton / torch |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results.get("kernel", []):
         print(f"| {r['shape']}, {r['tokens']} | {r['bf16_ms']} ({r['bf16_rel_err']}) | {r['fp8_ms']} "
-              f"({r['fp8_rel_err']}) | {r.get('torch_bf16_ms', '-')} | {r['bf16_weight_GBps']} / {r['fp8_weight_GBps']} | "
-              f"{r['align_triton_ms']} / {r['align_torch_ms']} |"
-              + (f" sweep best {r['sweep_best_bf16']}" if "sweep_best_bf16" in r else ""))
+              f"({r['fp8_rel_err']}) | {r['fp8_w8a8_ms']} ({r['fp8_w8a8_rel_err']}; "
+              f"{r['fp8_w8a8_err_vs_weight_only_ref']}) | {r['fp8_w8a8_ms'] / r['fp8_ms']:.2f}x | "
+              f"{r.get('torch_bf16_ms', '-')} | {r['bf16_weight_GBps']} / {r['fp8_weight_GBps']} / "
+              f"{r['fp8_w8a8_weight_GBps']} | {r['align_triton_ms']} / {r['align_torch_ms']} |"
+              + "".join(f" sweep best {k} {r[f'sweep_best_{k}']}" for k in ("bf16", "fp8_w8a8")
+                        if f"sweep_best_{k}" in r))
+    if results.get("kernel"):
+        from kvserve.model.quantization.fp8_moe import FP8_MOE_PATHS
+
+        bound = results["fp8_moe_paths"] = fp8_moe_weight_only_bound(results["kernel"])
+        print(f"\nfp8 MoE paths: these times favour weight-only up to {bound['weight_only_up_to_tokens']} tokens, "
+              f"W8A8 above (time relative to the faster path, mean: {bound['relative_cost']}; W8A8 everywhere "
+              f"{bound['relative_cost_all_w8a8']}, weight-only everywhere {bound['relative_cost_all_weight_only']}). "
+              f"Now: weight-only up to {next((p.max_tokens for p in FP8_MOE_PATHS if p.kernel == 'w8a16'), 0)} tokens.")
     if "parity" in results:
         p = results["parity"]
         print(f"\n| parity (small Qwen3-MoE, bf16) | identical vs HF {p['identical_vs_hf']}/8; splits at HF top-2 "

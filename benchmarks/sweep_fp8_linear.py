@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.model.quantization import fp8
-from kvserve.ops import fp8_quant, triton_fp8_gemm
+from kvserve.ops import fp8_e4m3, fp8_quant, triton_fp8_gemm
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 MS = [1, 8, 64, 256, 2048]
@@ -67,7 +67,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def old_fp8(x, w, s):
-    xq, xs = fp8.quantize_per_token(x)
+    xq, xs = fp8_e4m3.quantize_per_token(x)
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
 
 
@@ -89,7 +89,7 @@ def linear_rows(results: list, configs: list) -> None:
 def linear_shape(name: str, k: int, n: int, results: list, configs: list) -> None:
     torch.manual_seed(0)
     w_bf16 = (torch.randn(n, k, device=DEVICE) * 0.02).to(ACT_DTYPE)
-    w, s = fp8.quantize_per_channel(w_bf16)
+    w, s = fp8_e4m3.quantize_per_channel(w_bf16)
     w_deq = w.float() * s[:, None]
     layer, method = fp8_layer(w, s)
     for m in MS:
@@ -102,7 +102,7 @@ def linear_shape(name: str, k: int, n: int, results: list, configs: list) -> Non
             x = torch.randn(m, k, device=DEVICE).to(ACT_DTYPE)
             ref = x.float() @ w_deq.T
             q_new, s_new = fp8_quant.quantize_per_token(x)
-            q_ref, s_ref = fp8.quantize_per_token(x)
+            q_ref, s_ref = fp8_e4m3.quantize_per_token(x)
             row["quant_bitexact"] = bool(torch.equal(q_new.view(torch.uint8), q_ref.view(torch.uint8))
                                          and torch.equal(s_new, s_ref))
             paths = {"bf16": (F.linear, x, w_bf16), "old": (old_fp8, x, w, s),

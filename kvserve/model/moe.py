@@ -78,9 +78,14 @@ class UnquantizedMoEMethod:
     def scales(self, layer: nn.Module):
         return None, None
 
+    def quantizes_activations(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether the experts multiply x quantized to fp8 (W8A8) rather than in x's dtype."""
+        return False
+
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor):
         w13_scale, w2_scale = self.scales(layer)
-        extras = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, activation=layer.activation)
+        extras = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, activation=layer.activation,
+                      quantize_activations=self.quantizes_activations(layer, x))
         if use_fused_kernels(x):
             from kvserve.ops.fused_moe import fused_moe_triton
 

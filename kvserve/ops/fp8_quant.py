@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
-MIN_SCALE = tl.constexpr(1e-12)  # the torch reference's clamp (kvserve.model.quantization.fp8)
+from kvserve.ops import fp8_e4m3
+
+FP8_MAX = tl.constexpr(fp8_e4m3.FP8_MAX)
+MIN_SCALE = tl.constexpr(fp8_e4m3.MIN_SCALE)  # the torch reference's clamp
 
 
 @triton.jit
@@ -91,7 +93,7 @@ def empty_fp8_rows(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]); the same values as the torch reference
-    ``kvserve.model.quantization.fp8.quantize_per_token``. With ``static_scale`` (float32 [1]) every
+    ``kvserve.ops.fp8_e4m3.quantize_per_token``. With ``static_scale`` (float32 [1]) every
     row uses that scale: x / static_scale, clamped (the reference's static-input path)."""
     assert x.dim() == 2
     x = x if x.stride(-1) == 1 else x.contiguous()

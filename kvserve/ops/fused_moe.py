@@ -14,8 +14,19 @@ Two implementations of the same function:
   never on the routing, so the whole layer can be captured in a CUDA graph.
 
 Expert weights are stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]. FP8 experts hold e4m3
-weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [E, H]); the Triton kernel
-streams them (weight-only: activations stay in the model dtype), the reference dequantizes.
+weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [E, H]), multiplied one of two ways
+(the caller picks by token count: kvserve/model/quantization/fp8_moe.py's FP8_MOE_PATHS):
+* weight-only (W8A16): the kernel converts each e4m3 weight tile to the activation dtype and multiplies in it;
+  the per-channel scale is applied to the fp32 accumulator after the K loop.
+* W8A8 (`quantize_activations`): each GEMM's A operand is quantized per row to e4m3 with a dynamic scale
+  (max |row| / 448: kvserve/ops/fp8_e4m3.py, in Triton fp8_quant.py): x once per token for gate_up (a token's
+  K pairs share its row and its scale), the activated pairs per pair row for the down projection (in the
+  SiLU-and-mul kernel itself, silu_and_mul_fp8; after gpt-oss's activation, a separate pass). tl.dot multiplies
+  e4m3 by e4m3 on the FP8 tensor cores into fp32, scaled after the K loop by a_scale[row] * w_scale[column].
+  Twice the bf16 MMA rate, one more launch (x's quantization) than weight-only, and the activations' rounding
+  to 3 mantissa bits.
+The reference dequantizes the weights (and, for W8A8, quantizes and dequantizes the activations the same way,
+multiplying in fp32).
 Experts not on this rank (expert parallelism) have id -1 in `local_ids` and contribute nothing.
 """
 
@@ -56,24 +67,43 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: tor
     return (w[e].float() * scale[e][:, None]).to(dtype)
 
 
+def _fp8_rows(t: torch.Tensor) -> torch.Tensor:
+    """t quantized per row to e4m3 as the W8A8 kernels quantize it, dequantized to fp32."""
+    from kvserve.ops.fp8_e4m3 import quantize_per_token
+
+    q, scale = quantize_per_token(t)
+    return q.float() * scale
+
+
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
-                    w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
-    """x [T, H]; topk_weights [T, K] (float32); local_ids [T, K] (this rank's expert index, -1: elsewhere)."""
-    out = torch.zeros_like(x)
+                    w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU,
+                    quantize_activations: bool = False) -> torch.Tensor:
+    """x [T, H]; topk_weights [T, K] (float32); local_ids [T, K] (this rank's expert index, -1: elsewhere).
+    quantize_activations (fp8 experts): the W8A8 math, each GEMM's input quantized per row (x per token, the
+    activated pairs per pair), both operands dequantized and multiplied in fp32; rounded to x's dtype where the
+    Triton path stores (gate_up, and each pair's weighted output row), its K rows summed in fp32."""
+    if quantize_activations and (w13_scale is None or w2_scale is None):
+        raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
+    dot_dtype = torch.float32 if quantize_activations else x.dtype
+    a = _fp8_rows(x) if quantize_activations else x  # once per token: a token's K pairs share its row
+    out = torch.zeros(x.shape, dtype=torch.float32 if quantize_activations else x.dtype, device=x.device)
     for e in torch.unique(local_ids).tolist():
         if e < 0:
             continue
         token, slot = torch.where(local_ids == e)
-        gate_up = F.linear(x[token], _dequantized(w13, w13_scale, e, x.dtype))
+        gate_up = F.linear(a[token], _dequantized(w13, w13_scale, e, dot_dtype)).to(x.dtype)
         if w13_bias is not None:  # added after the product, as HF adds it (not fused into the GEMM)
             gate_up = gate_up + w13_bias[e]
-        y = F.linear(activation(gate_up), _dequantized(w2, w2_scale, e, x.dtype))
+        hidden = activation(gate_up)
+        if quantize_activations:
+            hidden = _fp8_rows(hidden)  # per pair row
+        y = F.linear(hidden, _dequantized(w2, w2_scale, e, dot_dtype))
         if w2_bias is not None:
             y = y + w2_bias[e]
-        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
-    return out
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype).to(out.dtype))
+    return out.to(x.dtype)
 
 
 def align_block_size(local_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -199,17 +229,17 @@ def _get_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_pairs", "capacity"])
-    def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, b_scale_ptr, bias_ptr, weights_ptr, sorted_pairs_ptr,
+    def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, weights_ptr, sorted_pairs_ptr,
                          block_expert_ptr, num_rows_ptr, N, K, num_pairs, capacity,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_se, stride_sn, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """C[pair, :] = (A[row of pair] @ B[expert]^T (* scale) (+ bias[expert])) (* routing weight), one block
-        of sorted pairs
-        (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs share a token's row of x (the
-        gate_up GEMM), or each pair has its own row (the down GEMM reads the activated pairs)."""
+                         HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[pair, :] = (A[row of pair] @ B[expert]^T (* a_scale[row] * scale) (+ bias[expert])) (* routing
+        weight), one block of sorted pairs (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs
+        share a token's row of x (the gate_up GEMM), or each pair has its own row (the down GEMM reads the
+        activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(capacity, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -228,16 +258,20 @@ def _get_kernel():
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + (pair[:, None] // A_ROWS_PER_PAIR) * stride_am + offs_k[None, :] * stride_ak
+        a_row = pair // A_ROWS_PER_PAIR
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            # e4m3 A (W8A8): e4m3 x e4m3 on the FP8 tensor cores; else the weight in A's dtype. fp32 sums.
             acc += tl.dot(a, b.to(a.dtype))
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if HAS_A_SCALE:
+            acc *= tl.load(a_scale_ptr + a_row, mask=pair_mask, other=0.0)[:, None]
         if HAS_SCALE:
             acc *= tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
@@ -251,7 +285,9 @@ def _get_kernel():
     return _kernel
 
 
-def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg):
+def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg,
+                  a_scale=None):
+    """a_scale: float32 [rows of a, 1] when a holds e4m3 rows (W8A8)."""
     import triton
 
     num_pairs = c.shape[0]
@@ -263,14 +299,17 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
     scale = b_scale if b_scale is not None else b  # unused without HAS_SCALE
     if bias is not None:
         assert bias.stride(-1) == 1
+    if a_scale is not None:
+        assert a_scale.is_contiguous() and a_scale.numel() == a.shape[0]
     _get_kernel()[grid](
-        a, b, c, scale, bias if bias is not None else c, weights if weights is not None else c, sorted_pairs,
+        a, b, c, a_scale if a_scale is not None else c, scale, bias if bias is not None else c,
+        weights if weights is not None else c, sorted_pairs,
         block_expert, num_rows, n, k, num_pairs, capacity,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scale.stride(0) if b_scale is not None else 0, scale.stride(1) if b_scale is not None else 0,
         bias.stride(0) if bias is not None else 0,
         A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None,
-        HAS_BIAS=bias is not None, **cfg,
+        HAS_A_SCALE=a_scale is not None, HAS_BIAS=bias is not None, **cfg,
     )
 
 
@@ -278,9 +317,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      local_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                      w2_scale: torch.Tensor | None = None, all_experts_local: bool = True,
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                     activation: ExpertActivation = SILU) -> torch.Tensor:
+                     activation: ExpertActivation = SILU, quantize_activations: bool = False) -> torch.Tensor:
     """Same contract as fused_moe_torch. all_experts_local=False (expert parallelism): pairs routed elsewhere
-    leave their rows zero."""
+    leave their rows zero. quantize_activations: the W8A8 path (fp8 experts)."""
+    if quantize_activations and (w13_scale is None or w2_scale is None):
+        raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
+    from kvserve.ops import fp8_quant
+    from kvserve.ops.fused_kernels import silu_and_mul, silu_and_mul_fp8
+
     tokens, top_k = local_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1]
     pairs = tokens * top_k
@@ -289,14 +333,21 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     # Rows of pairs routed to other ranks are never written: zeros, so the sum below reads nothing stale.
     alloc = torch.empty if all_experts_local else torch.zeros
     gate_up = alloc(pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, w13_bias, gate_up, None, sorted_pairs, block_expert, num_rows, top_k, cfg)
-    if activation.kind == "silu":
-        from kvserve.ops.fused_kernels import silu_and_mul
-
+    # W8A8: x quantized once per token (its K pairs read the same e4m3 row and scale).
+    a, a_scale = fp8_quant.quantize_per_token(x) if quantize_activations else (x, None)
+    _grouped_gemm(a, w13, w13_scale, w13_bias, gate_up, None, sorted_pairs, block_expert, num_rows, top_k, cfg,
+                  a_scale)
+    hidden_scale = None
+    if activation.kind == "silu" and quantize_activations:
+        hidden, hidden_scale, _ = silu_and_mul_fp8(gate_up)  # per pair row, in the same pass
+    elif activation.kind == "silu":
         hidden = silu_and_mul(gate_up)
     else:  # gpt-oss's clamped SwiGLU: elementwise torch ops between the two GEMMs (no fused kernel for it yet)
         hidden = activation(gate_up).contiguous()
+        if quantize_activations:
+            hidden, hidden_scale = fp8_quant.quantize_per_token(hidden)
     down = alloc(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg)
+    _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg,
+                  hidden_scale)
     return down.view(tokens, top_k, -1).sum(dim=1)

@@ -20,9 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.ops.attention_metadata import AttentionMetadata
-
-
-FP8_MAX = 448.0  # float8_e4m3fn
+from kvserve.ops.fp8_e4m3 import FP8_MAX
 
 
 def is_fp8_cache(kv_cache: torch.Tensor) -> bool:

@@ -1,6 +1,8 @@
 """The routed-experts kernels (kvserve/ops/fused_moe.py): the Triton grouped GEMMs equal the torch reference, on
-the CPU under Triton's interpreter (a subprocess with TRITON_INTERPRET=1) and on a GPU (the `gpu` test); the
-sort of (token, k) pairs into expert blocks keeps every pair exactly once."""
+the CPU under Triton's interpreter (a subprocess with TRITON_INTERPRET=1) and on a GPU (the `gpu` test), for
+16/32-bit and fp8 experts, weight-only and W8A8 (the interpreter runs an e4m3 x e4m3 tl.dot exactly; bf16 it
+rounds by truncation, so bf16 W8A8 is checked on the GPU only); the sort of (token, k) pairs into expert blocks
+keeps every pair exactly once; fp8 experts take the W8A8 path above the selection table's threshold."""
 
 from __future__ import annotations
 
@@ -98,6 +100,134 @@ def test_triton_fused_moe_fp8_weights_equal_dequantized_reference():
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def _fp8_case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    """_case with fp8 experts: (x, w13 e4m3, w2 e4m3, weights, ids, w13_scale, w2_scale)."""
+    from kvserve.model.quantization.fp8_moe import _quantize_experts
+
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, hidden, inter, dtype, seed)
+    (q13, s13), (q2, s2) = _quantize_experts(w13), _quantize_experts(w2)
+    return x, q13, q2, weights, ids, s13, s2
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def _count_quantized_rows(monkeypatch) -> list[int]:
+    """The rows of every separate activation-quantization pass (fp8_quant.quantize_per_token) from now on."""
+    from kvserve.ops import fp8_quant
+
+    rows, real = [], fp8_quant.quantize_per_token
+    monkeypatch.setattr(fp8_quant, "quantize_per_token", lambda t, *a: rows.append(t.shape[0]) or real(t, *a))
+    return rows
+
+
+# W8A8 against its reference: fp32 sums in a different order; fp16: one rounding of gate_up may differ by an ulp.
+W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens,experts,top_k,dtype", [
+    (1, 8, 2, torch.float32), (13, 8, 2, torch.float32), (70, 8, 2, torch.float32), (300, 8, 2, torch.float32),
+    (9, 16, 4, torch.float32), (13, 8, 2, torch.float16), (70, 8, 2, torch.float16),
+])
+def test_triton_fused_moe_w8a8_equals_w8a8_reference(tokens, experts, top_k, dtype, monkeypatch):
+    """The three tile configurations. x is quantized once per token (not per pair) and the down projection's
+    input inside SiLU-and-mul (no pass of its own); weight-only math is farther from the W8A8 reference than
+    the tolerance by 10x, so the check tells the two paths apart."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, q13, q2, weights, ids, s13, s2 = _fp8_case(tokens, experts, top_k, 64, 48, dtype)
+    ref = fused_moe_torch(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
+    rows = _count_quantized_rows(monkeypatch)
+    out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
+    assert out.dtype == dtype and rows == [tokens]
+    assert _rel_err(out, ref) < W8A8_TOL[dtype]
+    assert _rel_err(fused_moe_torch(x, q13, q2, weights, ids, s13, s2), ref) > 10 * W8A8_TOL[dtype]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_triton_fused_moe_w8a8_with_biases_clamped_swiglu_and_expert_parallel_equals_reference(tokens, monkeypatch):
+    """gpt-oss's activation (torch ops, then one quantization pass over the pairs' rows), biases, and two
+    expert-parallel ranks whose sum is the whole layer."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, q13, q2, weights, ids, s13, s2 = _fp8_case(tokens, 8, 2, 64, 32, torch.float32)
+    extras = _gpt_oss_extras(8, 64, 32)
+    ref = fused_moe_torch(x, q13, q2, weights, ids, s13, s2, quantize_activations=True, **extras)
+    rows = _count_quantized_rows(monkeypatch)
+    out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=True, **extras)
+    assert rows == [tokens, tokens * 2]
+    assert _rel_err(out, ref) < W8A8_TOL[torch.float32]
+    halves = []
+    for first in (0, 4):
+        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
+        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4],
+                "w2_bias": extras["w2_bias"][first:first + 4]}
+        halves.append(fused_moe_triton(x, q13[first:first + 4], q2[first:first + 4], weights, local,
+                                       s13[first:first + 4], s2[first:first + 4], all_experts_local=False,
+                                       quantize_activations=True, **part))
+    assert _rel_err(halves[0] + halves[1], ref) < W8A8_TOL[torch.float32]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+def test_w8a8_reference_quantizes_each_gemms_input_per_row():
+    """The reference's W8A8 math, spelled out for one expert: x's rows and the activated rows quantized to e4m3
+    (max |row| / 448), dequantized, multiplied by the dequantized weights in fp32."""
+    from kvserve.ops.fp8_e4m3 import quantize_per_token
+
+    x, q13, q2, weights, ids, s13, s2 = _fp8_case(5, 1, 1, 32, 16, torch.float32)
+    dq = lambda t: (lambda q, s: q.float() * s)(*quantize_per_token(t))  # noqa: E731
+    gate_up = dq(x) @ (q13[0].float() * s13[0][:, None]).T
+    hidden = torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:]
+    want = (dq(hidden) @ (q2[0].float() * s2[0][:, None]).T) * weights
+    got = fused_moe_torch(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="fp8 experts"):
+        fused_moe_torch(x, q13.float(), q2.float(), weights, ids, quantize_activations=True)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+def test_fp8_moe_path_table_covers_every_token_count_in_order():
+    from kvserve.model.quantization.fp8_moe import FP8_MOE_PATHS, fp8_moe_path
+
+    bounds = [p.max_tokens for p in FP8_MOE_PATHS]
+    assert bounds == sorted(set(bounds)) and bounds[-1] >= 1 << 62
+    assert {p.kernel for p in FP8_MOE_PATHS} <= {"w8a16", "w8a8"}
+    for tokens in (1, *bounds[:-1], *(b + 1 for b in bounds[:-1])):
+        assert fp8_moe_path(tokens) == next(p for p in FP8_MOE_PATHS if tokens <= p.max_tokens)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+def test_fp8_experts_quantize_activations_above_the_threshold_where_there_is_an_fp8_dot(monkeypatch):
+    """Fp8MoEMethod (on the torch path here): steps of up to the table's weight-only bound give the weight-only
+    result, larger ones the W8A8 result; with no fp8 dot (the plain CPU path, GPUs older than Ada) always
+    weight-only."""
+    from kvserve.model.moe import FusedMoE
+    from kvserve.model.quantization import fp8_moe
+
+    monkeypatch.setattr(fp8_moe, "FP8_MOE_PATHS", (fp8_moe.Fp8MoEPath(4, "w8a16"),
+                                                   fp8_moe.Fp8MoEPath(1 << 62, "w8a8")))
+    layer = FusedMoE(num_experts=8, hidden=64, intermediate=32, quant_method=fp8_moe.Fp8MoEMethod())
+    _, w13, w2, _, _ = _case(1, 8, 2, 64, 32, torch.float32)
+    layer.w13_weight.data.copy_(w13)
+    layer.w2_weight.data.copy_(w2)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.fp8_dot is False  # CPU, no interpreter: the weight-only reference, as the dense FP8 layers
+    fp8 = (layer.w13_weight, layer.w2_weight)
+    scales = (layer.w13_weight_scale, layer.w2_weight_scale)
+    for fp8_dot in (False, True):
+        layer.fp8_dot = fp8_dot
+        for tokens in (4, 5):
+            x, _, _, weights, ids = _case(tokens, 8, 2, 64, 32, torch.float32, seed=tokens)
+            w8a8 = fp8_dot and tokens > 4
+            want = fused_moe_torch(x, *fp8, weights, ids, *scales, quantize_activations=w8a8)
+            other = fused_moe_torch(x, *fp8, weights, ids, *scales, quantize_activations=not w8a8)
+            got = layer(x, weights, ids)
+            assert torch.equal(got, want) and not torch.equal(got, other), (fp8_dot, tokens)
+
+
 def _gpt_oss_extras(experts, hidden, inter, seed=1):
     from kvserve.ops.fused_moe import ExpertActivation
 
@@ -159,6 +289,25 @@ def test_triton_fused_moe_on_gpu_equals_torch_reference(tokens, experts, top_k, 
     ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
     out = fused_moe_triton(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 64, 512, 4096])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(128, 8, 2048, 768), (8, 2, 1024, 1792)])
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["w8a16", "w8a8"])
+def test_triton_fused_moe_fp8_on_gpu_equals_torch_reference(tokens, experts, top_k, hidden, inter,
+                                                            quantize_activations):
+    """bf16 activations, fp8 experts, both paths (bf16 W8A8 only here: the interpreter truncates bf16). The
+    W8A8 reference takes bf16 x and rounds gate_up to bf16 where the kernel stores it."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, q13, q2, weights, ids, s13, s2 = (t.cuda() for t in _fp8_case(tokens, experts, top_k, hidden, inter,
+                                                                       torch.bfloat16))
+    ref = fused_moe_torch(x if quantize_activations else x.float(), q13, q2, weights, ids, s13, s2,
+                          quantize_activations=quantize_activations)
+    out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=quantize_activations)
+    assert _rel_err(out, ref) < (1e-2 if quantize_activations else 2e-2)
 
 
 @needs_interpreter

@@ -276,7 +276,7 @@ def assert_per_token_quant_matches_reference(x: torch.Tensor, q: torch.Tensor, s
     reciprocal (amax / 448), so a reference scale may be 1 ulp off the kernel's IEEE division: there the scales
     agree to 1 ulp, q is exactly x / scale (IEEE, clamped, cast) of the kernel's own scale, and equals the
     reference's bytes on rows whose scales are equal and is within one e4m3 step of them on the others."""
-    from kvserve.model.quantization.fp8 import quantize_per_token as reference
+    from kvserve.ops.fp8_e4m3 import quantize_per_token as reference
 
     rq, rscale = reference(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == rscale.shape
@@ -320,7 +320,7 @@ def test_per_token_quant_kernel_equals_torch_bit_for_bit(dtype, rows, cols):
 
 
 def _fp8_weight(n: int, k: int):
-    from kvserve.model.quantization.fp8 import quantize_per_channel
+    from kvserve.ops.fp8_e4m3 import quantize_per_channel
 
     torch.manual_seed(n + k)
     w = (torch.randn(n, k) * 0.05 * torch.rand(n, 1)).to(DEVICE)  # per-channel scales that differ

@@ -100,11 +100,21 @@ def _scheduling_prompts() -> list[list[int]]:
 
 
 def _run(path: str, **parallel):
+    tokens, _, stats = _run_with_logprobs(path, **parallel)
+    return tokens, stats
+
+
+def _run_with_logprobs(path: str, **parallel):
+    """(greedy tokens, each one's logprob, stats) of the scheduling prompts."""
     llm = LLM(path, **ENGINE, **parallel)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _scheduling_prompts()],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.get_stats()
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+        completions = [o.outputs[0] for o in outs]
+        return ([c.token_ids for c in completions],
+                [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)] for c in completions],
+                llm.llm_engine.get_stats())
     finally:
         llm.llm_engine.shutdown()
 
@@ -180,7 +190,7 @@ def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from kvserve.model.quantization.fp8 import quantize_per_channel
+    from kvserve.ops.fp8_e4m3 import quantize_per_channel
 
     path, _ = moe_model(arch)
     weights = load_file(f"{path}/model.safetensors")
@@ -232,21 +242,33 @@ def test_memory_plan_counts_each_ranks_moe_weights(moe_model, monkeypatch, arch,
 _TRITON_SCRIPT = r"""
 import json, sys
 from kvserve import LLM, SamplingParams
-path, kwargs, prompts, max_tokens = json.loads(sys.stdin.read())
+from kvserve.model.quantization import fp8_moe
+from kvserve.ops import fused_moe
+path, kwargs, prompts, max_tokens, fp8_moe_paths = json.loads(sys.stdin.read())
+if fp8_moe_paths is not None:
+    fp8_moe.FP8_MOE_PATHS = tuple(fp8_moe.Fp8MoEPath(*p) for p in fp8_moe_paths)
+w8a8_steps, real = [], fused_moe.fused_moe_triton
+def counted(*args, quantize_activations=False, **kw):
+    w8a8_steps.append(quantize_activations)
+    return real(*args, quantize_activations=quantize_activations, **kw)
+fused_moe.fused_moe_triton = counted
 llm = LLM(path, attention_backend="triton", **kwargs)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0), use_tqdm=False)
 s = llm.llm_engine.get_stats()
 llm.llm_engine.shutdown()
-print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "preemptions": s.num_preemptions,
-                  "prefix_hits": s.prefix_cache_hits}))
+done = [o.outputs[0] for o in outs]
+print(json.dumps({"tokens": [c.token_ids for c in done], "preemptions": s.num_preemptions,
+                  "logprobs": [[e[t].logprob for t, e in zip(c.token_ids, c.logprobs)] for c in done],
+                  "prefix_hits": s.prefix_cache_hits, "w8a8_calls": [sum(w8a8_steps), len(w8a8_steps)]}))
 """
 
 
-def test_triton_fused_moe_path_in_the_engine_matches_hf(moe_model):
+def _run_triton_in_interpreter(path: str, kwargs: dict, fp8_moe_paths=None) -> dict:
     """The GPU code path (Triton attention, fused kernels, the grouped-GEMM experts) on the CPU under Triton's
-    interpreter, at TP=2 with expert parallelism (each rank's experts, the others' rows zero), with chunked
-    prefill, a prefix hit and a preemption: the same greedy tokens as HF. (Interpreted: ~80 s.)"""
+    interpreter, in a subprocess (the interpreter must be on before triton is imported), on the scheduling
+    prompts; fp8_moe_paths replaces fp8_moe.FP8_MOE_PATHS there. Its tokens (and their logprobs), stats and
+    how many fused-MoE calls were W8A8 (of all)."""
     import json
     import os
     import subprocess
@@ -254,16 +276,63 @@ def test_triton_fused_moe_path_in_the_engine_matches_hf(moe_model):
     from pathlib import Path
 
     pytest.importorskip("triton")
-    path, hf_model = moe_model("qwen3_moe")
-    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-    payload = json.dumps([path, {**ENGINE, **parallel}, _scheduling_prompts(), MAX_TOKENS])
+    payload = json.dumps([path, kwargs, _scheduling_prompts(), MAX_TOKENS, fp8_moe_paths])
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], input=payload, capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[2],
                           timeout=1200, check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_triton_fused_moe_path_in_the_engine_matches_hf(moe_model):
+    """The Triton path at TP=2 with expert parallelism (each rank's experts, the others' rows zero), with
+    chunked prefill, a prefix hit and a preemption: the same greedy tokens as HF. (Interpreted: ~80 s.)"""
+    path, hf_model = moe_model("qwen3_moe")
+    run = _run_triton_in_interpreter(path, {**ENGINE, "tensor_parallel_size": 2, "enable_expert_parallel": True})
     assert run["preemptions"] > 0 and run["prefix_hits"] > 0
     assert run["tokens"] == hf_greedy(hf_model, _scheduling_prompts(), MAX_TOKENS)
+
+
+# Weight-only for steps of up to 8 tokens (decode here: at most 3 sequences), W8A8 for the prefill chunks.
+_FP8_MOE_TEST_PATHS = ((8, "w8a16"), (1 << 62, "w8a8"))
+# Triton (interpreted, fp32) against the torch reference: sums in another order. Weight-only experts in the
+# prefill move the logprobs by far more than this (checked below), so the check sees which math ran.
+_LOGPROB_TOL = 1e-4
+
+
+def test_triton_fp8_experts_w8a8_in_the_engine_match_the_torch_reference(moe_model, monkeypatch):
+    """--quantization fp8 through the Triton path (interpreted) with a selection table that sends the prefill
+    chunks to W8A8 and the decode steps to weight-only, with chunked prefill, a prefix hit and a preemption: the
+    same greedy tokens and logprobs as the torch reference path (CPU, in this process) following the same
+    table, which quantizes the activations the same way. Both runs take both paths. (Interpreted: ~60 s.)"""
+    from kvserve.model.quantization import fp8_moe
+    from kvserve.ops import fused_moe
+
+    path, _ = moe_model("qwen3_moe")
+    run = _run_triton_in_interpreter(path, {**ENGINE, "quantization": "fp8"}, _FP8_MOE_TEST_PATHS)
+    assert 0 < run["w8a8_calls"][0] < run["w8a8_calls"][1]
+    assert run["preemptions"] > 0 and run["prefix_hits"] > 0
+
+    monkeypatch.setattr(fp8_moe, "fp8_dot_available", lambda w: True)  # the reference follows the table too
+    w8a8_steps, real = [], fused_moe.fused_moe_torch
+
+    def counted(*args, quantize_activations=False, **kw):
+        w8a8_steps.append(quantize_activations)
+        return real(*args, quantize_activations=quantize_activations, **kw)
+
+    monkeypatch.setattr(fused_moe, "fused_moe_torch", counted)
+    runs = {}
+    for name, table in (("table", _FP8_MOE_TEST_PATHS), ("weight_only", ((1 << 62, "w8a16"),))):
+        monkeypatch.setattr(fp8_moe, "FP8_MOE_PATHS", tuple(fp8_moe.Fp8MoEPath(*p) for p in table))
+        w8a8_steps.clear()
+        runs[name] = _run_with_logprobs(path, quantization="fp8")
+        if name == "table":
+            assert 0 < sum(w8a8_steps) < len(w8a8_steps)
+    tokens, logprobs, _ = runs["table"]
+    assert run["tokens"] == tokens
+    gap = lambda a, b: max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))  # noqa: E731
+    assert gap(run["logprobs"], logprobs) < _LOGPROB_TOL
+    assert runs["weight_only"][0] != tokens or gap(runs["weight_only"][1], logprobs) > 10 * _LOGPROB_TOL
 
 
 def _write_gguf(hf_model, gguf_arch: str, path) -> None:

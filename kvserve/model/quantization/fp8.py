@@ -2,7 +2,7 @@
 
 Three ways in, one served layout (weight e4m3 [N, K] + per-output-channel float32 weight_scale [N]):
 * ``--quantization fp8`` on a bf16/fp16/fp32 checkpoint: each weight is quantized at load with
-  per-channel scales (max |w| of the row / 448).
+  per-channel scales (max |w| of the row / 448; the e4m3 quantizers: kvserve/ops/fp8_e4m3.py).
 * HF / AutoFP8 checkpoints (quantization_config.quant_method "fp8"): per-tensor weight_scale per checkpoint
   tensor (a merged qkv layer gets one per part; expanded to per-channel, which is exact).
 * compressed-tensors "float-quantized" checkpoints (llm-compressor): per-tensor or per-channel scales
@@ -25,24 +25,9 @@ import torch
 
 from kvserve.model.linear_method import LinearMethodBase
 from kvserve.model.quantization.base import QuantizationConfig, new_param, check_choice
+from kvserve.ops.fp8_e4m3 import FP8_DTYPE, quantize_per_channel
 
 logger = logging.getLogger(__name__)
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-_MIN_SCALE = 1e-12
-
-
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], float32 scale [N]) with w ~= q * scale[:, None]."""
-    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}

@@ -1,18 +1,55 @@
 """FP8 (e4m3) routed experts for `--quantization fp8` on an unquantized checkpoint: each expert's w13 and w2
 are quantized at load with per-output-channel scales, as fp8.py quantizes a linear layer's weight.
 
-Weight-only: the Triton grouped GEMM (kvserve/ops/fused_moe.py) streams the e4m3 weights and multiplies in the
-activation dtype, applying the scales after the K loop (decode, where MoE layers are bound by reading the
-weights, reads half the bytes of bf16); the CPU reference dequantizes per expert.
+How the Triton grouped GEMM (kvserve/ops/fused_moe.py) multiplies them is chosen from the step's token count
+alone (no host syncs: the choice is fixed inside a CUDA graph). The whole rule is FP8_MOE_PATHS:
+
+* "w8a16" (decode): weight-only; the kernel converts the e4m3 weight tiles to the activation dtype. At a few
+  tokens the layer is bound by reading the experts' weights, the same fp8 bytes on both paths, so W8A8's extra
+  pass (quantizing x) and its rounding of the activations buy nothing.
+* "w8a8": the activations quantized per token (per pair for the down projection, inside SiLU-and-mul) and
+  e4m3 x e4m3 on the FP8 tensor cores, twice the bf16 MMA rate.
+W8A8 needs FP8 tensor cores (compute capability >= 8.9; fp8.cuda_has_fp8); older GPUs stay weight-only at every
+size. Triton's interpreter (TRITON_INTERPRET=1, CPU) runs the fp8 tl.dot exactly, so it follows the table too;
+the plain CPU reference path (fused_moe_torch) is weight-only, as the dense FP8 layers are on CPU.
+
+The threshold is a first choice (the dense FP8 layers' W8A16 bucket, fp8_matmul.FP8_PATHS, also ends at 16
+rows), not yet measured for experts: `benchmarks/gpu_moe.py` times both paths at every token count and prints
+the table its measurements suggest.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from kvserve.model.moe import UnquantizedMoEMethod
-from kvserve.model.quantization.fp8 import quantize_per_channel
+from kvserve.model.quantization.fp8 import cuda_has_fp8
+from kvserve.ops.fp8_e4m3 import quantize_per_channel
+
+
+class Fp8MoEPath(NamedTuple):
+    max_tokens: int  # serves a step of up to this many tokens (and more than the previous entry's)
+    kernel: str  # "w8a16" (weight-only) or "w8a8"
+
+
+FP8_MOE_PATHS: tuple[Fp8MoEPath, ...] = (
+    Fp8MoEPath(16, "w8a16"),
+    Fp8MoEPath(1 << 62, "w8a8"),
+)
+
+
+def fp8_moe_path(tokens: int) -> Fp8MoEPath:
+    return next(p for p in FP8_MOE_PATHS if tokens <= p.max_tokens)
+
+
+def fp8_dot_available(w: torch.Tensor) -> bool:
+    """Whether the fused-MoE kernel can multiply e4m3 by e4m3 where the weight w lives."""
+    from kvserve.model.layers import use_fused_kernels
+
+    return cuda_has_fp8(w.device) if w.is_cuda else use_fused_kernels(w)
 
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +67,10 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
             q, scale = _quantize_experts(getattr(layer, f"{name}_weight").data)
             setattr(layer, f"{name}_weight", nn.Parameter(q, requires_grad=False))
             setattr(layer, f"{name}_weight_scale", nn.Parameter(scale, requires_grad=False))
+        layer.fp8_dot = fp8_dot_available(layer.w13_weight)
 
     def scales(self, layer: nn.Module):
         return layer.w13_weight_scale, layer.w2_weight_scale
+
+    def quantizes_activations(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return layer.fp8_dot and fp8_moe_path(x.shape[0]).kernel == "w8a8"
