@@ -16,6 +16,8 @@ import random
 import pytest
 import torch
 
+from tests.gpu_tier import GPU_TEST_MEMORY_UTILIZATION
+
 pytestmark = pytest.mark.gpu
 
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.25}  # bf16: what benchmarks/gpu_w1.py's parity allows
@@ -44,7 +46,7 @@ def _hf_greedy(model, prompts):
 def _kvserve(path, prompts, dtype, **kw):
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3, **kw)
+    llm = LLM(path, dtype=dtype, max_model_len=1024, gpu_memory_utilization=GPU_TEST_MEMORY_UTILIZATION, **kw)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -146,7 +148,7 @@ def test_fp8_kv_cache_and_weights_on_gpu_stay_close(tiny_llama_dir, quantization
     sequences = [p + t for p, t in zip(prompts, base)]
     scored = {}
     for name, kw in (("bf16", {}), ("fp8", dict(kv_cache_dtype="fp8", quantization=quantization))):
-        llm = LLM(path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+        llm = LLM(path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=GPU_TEST_MEMORY_UTILIZATION, skip_tokenizer_init=True,
                   **kw)
         if name == "fp8":
             assert all(c.dtype == torch.float8_e4m3fn for c in llm.llm_engine.executor.runner.kv_caches)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.engine.test_gpu_engine import _assert_same_or_split_at_tie, _hf_greedy, _prompts
+from tests.gpu_tier import GPU_TEST_MEMORY_UTILIZATION
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def tiny_gemma3_dir(tmp_path_factory):
 def _run(path, prompts, dtype="float32", **kw):
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+    llm = LLM(path, dtype=dtype, max_model_len=1024, gpu_memory_utilization=GPU_TEST_MEMORY_UTILIZATION, skip_tokenizer_init=True,
               attention_backend="triton", **kw)
     kv = llm.llm_engine.kv_cache_manager
     assert len(kv.groups) == 6 and sum(w is None for w in kv.group_windows) == 1
