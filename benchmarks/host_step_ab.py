@@ -2,6 +2,7 @@
 batch and the update, for 256 running decode requests, with the model's forward replaced by zeros.
 
     PYTHONPATH=$PWD python benchmarks/host_step_ab.py [--old a34d16e] [--rounds 5] [--steps 64] [--profile]
+    PYTHONPATH=$PWD python benchmarks/host_step_ab.py --spec [--spec-old COMMIT] [--num-reqs 64] [--prompt-len 512]
 
 The old tree is checked out with `git worktree add /tmp/old-<commit> <commit>` (once; reused after). Each
 round runs one subprocess per tree, alternating old/new so load drift on a shared machine hits both, with
@@ -13,6 +14,13 @@ step (the machine's other load does not inflate it), best over rounds; the parts
 has its own row (step_no_gc = step - gc); "calls" is the Python function calls
 per step under cProfile, which is exact and load-free. --profile prints each tree's top functions.
 Async scheduling is on, as on CUDA. Only APIs present at a34d16e are used, so one file measures both trees.
+
+--spec: speculation off against `{"method": "ngram"}` turned down, in this tree (and, with --spec-old, in
+another tree too). The n-gram engine gets the draft budget it would have on CUDA (a CPU budget would turn
+drafts down at any batch past a few requests), and the fake model's greedy token is a function of the
+position, so the prompt-lookup drafts are never right (the budget learns that and turns itself down, probing
+now and then). The table also counts the steps that drafted in the timed window (probes, or the first steps
+before the budget has measured anything).
 """
 
 from __future__ import annotations
@@ -74,23 +82,36 @@ def _timed_parts(engine, totals: dict) -> None:
     PendingOutput.result = wrap("wait", PendingOutput.result)
 
 
-def _fake_model(model) -> None:
+def _fake_model(model, by_position: bool = False) -> None:
     """The forward returns zero hidden states (one row per token) and the logits are zeros: no compute, the
-    same shapes downstream (greedy sampling then picks token 0, harmless under ignore_eos)."""
+    same shapes downstream (greedy sampling then picks token 0, harmless under ignore_eos). `by_position`:
+    the hidden state carries the position and the logits are one-hot at a token that is a function of it,
+    so the outputs never repeat an n-gram the way a run of zeros does."""
     import torch
 
     hidden_size, vocab_size = TINY_CONFIG["hidden_size"], TINY_CONFIG["vocab_size"]
 
-    def forward(input_ids, *a, **kw):
-        return torch.zeros(input_ids.shape[0], hidden_size, dtype=torch.float32, device=input_ids.device)
+    def forward(input_ids, positions, *a, **kw):
+        hidden = torch.zeros(input_ids.shape[0], hidden_size, dtype=torch.float32, device=input_ids.device)
+        if by_position:
+            hidden[:, 0] = positions.float()
+        return hidden
 
     def compute_logits(hidden):
-        return torch.zeros(hidden.shape[0], vocab_size, dtype=torch.float32, device=hidden.device)
+        logits = torch.zeros(hidden.shape[0], vocab_size, dtype=torch.float32, device=hidden.device)
+        if by_position:
+            token = (hidden[:, 0].long() * 7919 + 13) % (vocab_size - 3) + 3
+            logits[torch.arange(hidden.shape[0]), token] = 1.0
+        return logits
     model.forward = forward  # nn.Module.__call__ finds the instance attribute
     model.compute_logits = compute_logits
 
 
-def child(num_reqs: int, steps: int, profile: bool) -> dict:
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+def child(num_reqs: int, steps: int, profile: bool, spec: str = "", prompt_len: int = 32) -> dict:
+    """`spec`: "" (the plain engine), "off" or "ngram" (the --spec arms: outputs by position)."""
     import torch
 
     torch.set_num_threads(1)
@@ -101,11 +122,25 @@ def child(num_reqs: int, steps: int, profile: bool) -> dict:
     path = tempfile.mkdtemp(prefix="kvserve-host-ab-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(TINY_CONFIG, f)
+    tokens_per_req = prompt_len + 3 * steps + 128
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
-              max_model_len=max(1024, 3 * steps + 128), max_num_seqs=num_reqs, max_num_batched_tokens=8192,
-              kv_cache_memory_bytes=num_reqs * (3 * steps + 128) * 1024 + (64 << 20), async_scheduling=True)
+              max_model_len=max(1024, tokens_per_req), max_num_seqs=num_reqs, max_num_batched_tokens=8192,
+              kv_cache_memory_bytes=num_reqs * tokens_per_req * 1024 + (64 << 20), async_scheduling=True,
+              **({"speculative_config": NGRAM} if spec == "ngram" else {}))
     engine = llm.llm_engine
-    _fake_model(engine.runner.model)
+    _fake_model(engine.runner.model, by_position=bool(spec))
+    drafting_steps = [0]
+    if spec == "ngram":
+        from kvserve.spec_decode.drafter import Drafter
+
+        engine.drafter = engine.proposer = Drafter(engine.config.args.speculative_config, "cuda")
+        step = engine.step
+
+        def counted_step():
+            out = step()
+            drafting_steps[0] += engine.drafter.last_choice.num_draft_tokens > 0
+            return out
+        engine.step = counted_step
     totals = dict.fromkeys(PARTS, 0.0)
     _timed_parts(engine, totals)
     _count_gc()
@@ -113,7 +148,7 @@ def child(num_reqs: int, steps: int, profile: bool) -> dict:
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(num_reqs):
-        ids = [rng.randint(3, TINY_CONFIG["vocab_size"] - 1) for _ in range(32)]
+        ids = [rng.randint(3, TINY_CONFIG["vocab_size"] - 1) for _ in range(prompt_len)]
         engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -123,12 +158,13 @@ def child(num_reqs: int, steps: int, profile: bool) -> dict:
     assert len(sched.running) == num_reqs, f"{len(sched.running)} running, expected {num_reqs}"
     for k in totals:
         totals[k] = 0.0
+    drafting_steps[0] = 0
     c, g = time.thread_time(), _gc_cpu[0]
     for _ in range(steps):
         engine.step()
     cpu, gc_cpu = time.thread_time() - c, _gc_cpu[0] - g
     res = {"kvserve": os.path.dirname(kvserve.__file__), "step": cpu / steps, "gc": gc_cpu / steps,
-           **{k: v / steps for k, v in totals.items()}}
+           "drafting_steps": drafting_steps[0], **{k: v / steps for k, v in totals.items()}}
     res["step_no_gc"] = res["step"] - res["gc"]
     res["rest"] = res["step_no_gc"] - sum(res[k] for k in PARTS)
     prof = cProfile.Profile()
@@ -154,10 +190,11 @@ def old_tree(commit: str) -> str:
     return path
 
 
-def run_child(tree: str, args) -> dict:
+def run_child(tree: str, spec: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--num-reqs", str(args.num_reqs),
-           "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
+           "--steps", str(args.steps), "--prompt-len", str(args.prompt_len)]
+    cmd += (["--profile"] if args.profile else []) + (["--child-spec", spec] if spec else [])
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"child in {tree} failed:\n{out.stderr[-4000:]}")
@@ -173,34 +210,54 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--num-reqs", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--spec", action="store_true", help="speculation off against ngram turned down, in the new tree")
+    ap.add_argument("--spec-old", help="with --spec: also ngram in this commit's tree")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-spec", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.num_reqs, args.steps, args.profile)))
+        print(json.dumps(child(args.num_reqs, args.steps, args.profile, args.child_spec, args.prompt_len)))
         return
-    trees = {"old": old_tree(args.old), "new": args.new}
-    runs = {"old": [], "new": []}
+    if args.spec:  # arm name -> (tree, speculation)
+        arms = {"off": (args.new, "off"), "ngram": (args.new, "ngram")}
+        if args.spec_old:
+            arms[f"ngram at {args.spec_old}"] = (old_tree(args.spec_old), "ngram")
+    else:
+        arms = {"old": (old_tree(args.old), ""), "new": (args.new, "")}
+    names = list(arms)
+    runs = {name: [] for name in names}
     for i in range(args.rounds):
-        for name in (("old", "new") if i % 2 == 0 else ("new", "old")):
-            runs[name].append(run_child(trees[name], args))
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each round starts with the next arm
+            runs[name].append(run_child(*arms[name], args))
             print(f"round {i + 1} {name}: {runs[name][-1]['step'] * 1e3:.3f} ms/step", file=sys.stderr, flush=True)
     if args.profile:
-        for name in ("old", "new"):
-            print(f"==== {name} ({trees[name]}), top by tottime, then cumulative ====\n{runs[name][-1]['profile']}")
+        for name in names:
+            print(f"==== {name} ({arms[name][0]}), top by tottime, then cumulative ====\n{runs[name][-1]['profile']}")
     rows = ("step", "step_no_gc", *PARTS, "rest", "gc")
     best = {name: {k: min(r[k] for r in rs) for k in (*rows, "calls")} for name, rs in runs.items()}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_step_ab.json"), "w") as f:
-            json.dump({"trees": trees, "runs": runs, "best": best}, f, indent=1)
-    print(f"\n{args.num_reqs} decode requests, forward faked; main-thread CPU ms per step, best of {args.rounds} "
-          f"rounds of {args.steps} steps; old = {args.old} ({trees['old']}), new = {trees['new']}")
-    print("| part | old | new | new / old |\n|---|---|---|---|")
-    for k in rows:
-        o, n = best["old"][k], best["new"][k]
-        print(f"| {k} | {o * 1e3:.3f} | {n * 1e3:.3f} | {n / o if o else float('nan'):.3f} |")
-    o, n = best["old"]["calls"], best["new"]["calls"]
-    print(f"| Python calls per step | {o:.0f} | {n:.0f} | {n / o:.3f} |")
+            json.dump({"arms": arms, "runs": runs, "best": best}, f, indent=1)
+    first = names[0]
+    print(f"\n{args.num_reqs} decode requests ({args.prompt_len}-token prompts), forward faked; main-thread CPU ms "
+          f"per step, best of {args.rounds} rounds of {args.steps} steps; "
+          + "; ".join(f"{n} = {tree}{' ' + sp if sp else ''}" for n, (tree, sp) in arms.items()))
+    others = names[1:]
+    print("| part | " + " | ".join(names) + " | " + " | ".join(f"{n} / {first}" for n in others) + " |")
+    print("|---" * (1 + len(names) + len(others)) + "|")
+    for k in (*rows, "calls"):
+        scale = 1 if k == "calls" else 1e3
+        vals = [best[n][k] for n in names]
+        cells = [f"{v * scale:.0f}" if k == "calls" else f"{v * scale:.3f}" for v in vals]
+        ratios = [f"{best[n][k] / best[first][k]:.3f}" if best[first][k] else "nan" for n in others]
+        label = "Python calls per step" if k == "calls" else k
+        print(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    if args.spec:
+        print("| steps that drafted (of each round's timed steps) | "
+              + " | ".join("/".join(str(r["drafting_steps"]) for r in runs[n]) for n in names) + " |"
+              + " |" * len(others))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,6 @@ class LLMEngine:
         # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
-        self._drafting_now = False  # this step's decision (LLMEngine._drafting)
         if config.args.speculative_config is not None:
             self.drafter = Drafter.from_config(config)
             self.proposer = self.drafter
@@ -278,10 +277,12 @@ class LLMEngine:
             raise self._fail_step_out_of_memory(e, outputs) from e
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        self._drafting_now = self._drafting()
-        if self._in_flight is not None and (self._needs_history or self._drafting_now):
+        drafting = self._drafting()
+        if self._in_flight is not None and (self._needs_history or drafting):
             outputs += self._finish(self._in_flight)  # the next schedule must see every sampled token
             self._in_flight = None
+        if drafting:
+            self._propose()
         sched_out = self._schedule(mask_after_update=self._in_flight is not None)
         self._scheduled_now = (sched_out, self._in_flight.sched_out if self._in_flight is not None else None)
         if sched_out.preemptions:
@@ -341,7 +342,8 @@ class LLMEngine:
     def _pipelined_step(self) -> list[RequestOutput]:
         """Launch a batch while earlier ones are still in later stages; collect the oldest once pp batches
         are in flight (or nothing new could be scheduled: its requests are all in flight)."""
-        self._drafting_now = self._drafting()
+        if self._drafting():
+            self._propose()
         sched_out = self._schedule()
         self._scheduled_now = (sched_out, None)
         if sched_out.preemptions:
@@ -398,14 +400,12 @@ class LLMEngine:
         stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
         if stops:
             self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)
-        outputs = self.output_processor.make_outputs()
-        if self._drafting_now:
-            self._propose()
-        return outputs
+        return self.output_processor.make_outputs()
 
     def _drafting(self) -> bool:
-        """Decided once per step: whether the coming steps verify drafts. They then run one at a time (a
-        proposer needs each step's tokens); while the draft budget has speculation off, steps stay
+        """Decided once per step, before it is scheduled: whether it verifies drafts. Such a step runs after
+        the one in flight is updated (its drafts start at the last sampled token) and the proposer runs for
+        it alone; while the draft budget has speculation off, the proposer is not called and steps stay
         asynchronous."""
         if self.proposer is None:
             return False
@@ -419,8 +419,8 @@ class LLMEngine:
         self.proposer = proposer
 
     def _propose(self) -> None:
-        # Requests with a step in flight (async scheduling, pipeline batches) are left out: their drafts
-        # would start at the wrong position.
+        """Drafts for the step about to be scheduled. Requests with a step in flight (pipeline batches) are
+        left out: their drafts would start at the wrong position."""
         running = [r for r in self.scheduler.running if not r.num_pending_outputs]
         if running:
             drafts = self.proposer.propose(running)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.spec_decode import ngram_proposer
 from kvserve.spec_decode.ngram_proposer import NgramProposer
 
 
@@ -38,6 +41,37 @@ def test_matches_brute_force_as_tokens_arrive(prompt, chunks, k, min_n, extra_n)
         output.extend(chunk)  # several tokens per step, as after accepted drafts
         got = proposer.propose([_req("a", prompt, output)]).get("a", [])
         assert got == brute_force(prompt + output, k, min_n, max_n)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       chunks=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=20), max_size=8),
+       k=st.integers(1, 4), min_n=st.integers(1, 3), extra_n=st.integers(0, 2))
+def test_rebuilds_and_filter_false_positives_keep_the_same_drafts(prompt, chunks, k, min_n, extra_n):
+    # Rebuilds after 2 new tokens, and a 1-bit-per-entry filter that lets most misses through to the
+    # sorted bulk: both paths must give the brute force's drafts.
+    max_n = min_n + extra_n
+    with mock.patch.object(ngram_proposer, "REBUILD_MIN_TOKENS", 2), \
+            mock.patch.object(ngram_proposer, "REBUILD_RATIO", 10 ** 6), \
+            mock.patch.object(ngram_proposer, "FILTER_BITS_PER_KEY", 1):
+        proposer = NgramProposer(k, min_n, max_n)
+        output: list[int] = []
+        for chunk in [[]] + chunks:
+            output.extend(chunk)
+            got = proposer.propose([_req("a", prompt, output)]).get("a", [])
+            assert got == brute_force(prompt + output, k, min_n, max_n)
+
+
+def test_large_token_ids_and_a_long_context():
+    # Ids past 2^17 (a 128k-token vocabulary): the hash of short n-grams must still reach the key's top bits.
+    rng = random.Random(0)
+    passage = [rng.randrange(1 << 17, 1 << 18) for _ in range(3000)]
+    prompt = passage + [rng.randrange(1 << 18) for _ in range(50)] + passage[1000:1003]
+    proposer = NgramProposer(5, 2, 4)
+    assert proposer.propose([_req("a", prompt, [])]) == {"a": passage[1003:1008]}
+    output = passage[1003:1010]
+    assert proposer.propose([_req("a", prompt, output)]) == {"a": passage[1010:1015]}
+    assert proposer.propose([_req("a", prompt, output + [7])]).get("a", []) == brute_force(prompt + output + [7], 5, 2, 4)
 
 
 def test_fewer_tokens_per_step_and_several_requests():
