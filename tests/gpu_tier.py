@@ -1,8 +1,14 @@
 """What the engine tests of the gpu tier (`pytest -m gpu`) share.
 
-The tier runs four pytest-xdist workers on one GPU (benchmarks/gpu_tests.sh), and an engine counts the memory
-the other workers' engines hold against its own --gpu-memory-utilization budget: four engines at 0.3 each
-over-commit the card, so each engine test asks for a fraction four of them fit in with room to spare.
+An engine sizes itself from --gpu-memory-utilization as a share of the whole device, less what other
+processes hold, so a second engine started beside the first sees the first's KV cache as used memory and has
+nothing left. The tier runs four pytest-xdist workers on one GPU (benchmarks/gpu_tests.sh, `--dist loadgroup`):
+the engine tests all join one xdist group and run one after another on one worker, while the kernel tests,
+which take little memory, spread over the others.
 """
 
-GPU_TEST_MEMORY_UTILIZATION = 0.15
+import pytest
+
+ENGINE_TIER = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_engine")]
+# Room for the kernel tests running beside the engine test in the other workers.
+GPU_TEST_MEMORY_UTILIZATION = 0.3

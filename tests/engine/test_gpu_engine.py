@@ -16,9 +16,9 @@ import random
 import pytest
 import torch
 
-from tests.gpu_tier import GPU_TEST_MEMORY_UTILIZATION
+from tests.gpu_tier import ENGINE_TIER, GPU_TEST_MEMORY_UTILIZATION
 
-pytestmark = pytest.mark.gpu
+pytestmark = ENGINE_TIER
 
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.25}  # bf16: what benchmarks/gpu_w1.py's parity allows
 NEW_TOKENS = 32

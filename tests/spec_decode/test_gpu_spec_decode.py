@@ -18,9 +18,9 @@ import torch
 
 from kvserve.spec_decode.draft_budget import BudgetChoice
 from tests.eagle3_reference import save_random_head
-from tests.gpu_tier import GPU_TEST_MEMORY_UTILIZATION
+from tests.gpu_tier import ENGINE_TIER, GPU_TEST_MEMORY_UTILIZATION
 
-pytestmark = pytest.mark.gpu
+pytestmark = ENGINE_TIER
 
 VOCAB = 32000
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
