@@ -15,6 +15,7 @@ from kvserve.structured_output.backend import (
     legacy_structural_tag,
     without_additional_properties,
 )
+from kvserve.structured_output.utf8 import ACCEPT, Utf8Guard
 
 
 def _batch_filler():
@@ -30,8 +31,12 @@ _BATCH_FILLER = None
 
 
 class XgrammarMatcher(Matcher):
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    """xgrammar's matcher, its rows ANDed with the UTF-8 guard's for the output's decoder state."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: Utf8Guard):
         self._m = xgr.GrammarMatcher(compiled)
+        self._guard = guard
+        self._states = [ACCEPT]  # the decoder state after each accepted token (the last is now's)
 
     @classmethod
     def fill_bitmasks(cls, matchers: list[Matcher], bitmask, rows: list[int]) -> None:
@@ -40,26 +45,33 @@ class XgrammarMatcher(Matcher):
             super().fill_bitmasks(matchers, bitmask, rows)
             return
         filler.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
+        matchers[0]._guard.apply(bitmask, rows, [m._states[-1] for m in matchers])
 
     def accept_token(self, token_id: int) -> bool:
-        return self._m.accept_token(token_id)
+        if not self._m.accept_token(token_id):
+            return False
+        self._states.append(self._guard.advance(self._states[-1], token_id))
+        return True
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        self._guard.apply(bitmask, [row], [self._states[-1]])
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        del self._states[len(self._states) - num_tokens:]
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
 
 class XgrammarGrammar(CompiledGrammar):
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: Utf8Guard):
         self.compiled = compiled
+        self.guard = guard
 
     def new_matcher(self) -> Matcher:
-        return XgrammarMatcher(self.compiled)
+        return XgrammarMatcher(self.compiled, self.guard)
 
 
 def _message(error: Exception) -> str:
@@ -92,10 +104,11 @@ class XgrammarBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_limit_bytes: int = 256 << 20):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
+        self._guard = Utf8Guard(info.decoded_vocab, vocab_size)
 
     def compile(self, params) -> CompiledGrammar:
         try:
-            return XgrammarGrammar(self._compile(params))
+            return XgrammarGrammar(self._compile(params), self._guard)
         except Exception as e:  # noqa: BLE001 - whatever the library raises, it refused this constraint
             raise ValueError(f"xgrammar: {_message(e)}") from None
 
