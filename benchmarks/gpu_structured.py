@@ -55,7 +55,6 @@ import torch
 
 VLLM_SITE = "/tmp/vllmsite"
 KVSERVE_SITE = "/tmp/kvserve-site"  # xgrammar >= 0.2.9 for kvserve's process, unpacked from .vllm/'s wheels
-MIN_XGRAMMAR = (0, 2, 9)
 CHECKPOINT_DIR = "/tmp/kvserve-w1-random-bf16"
 WEIGHT_STD = 0.02  # HF's Llama initializer range
 MAX_MODEL_LEN = 4096
@@ -236,11 +235,13 @@ def use_bundle_libraries(wheel_dir: str = ".vllm") -> str:
                          f"the vLLM bundle first (bash .vllm/install.sh), which has jsonschema") from None
     import importlib.metadata
 
-    version = importlib.metadata.version("xgrammar")
-    if tuple(int(p) for p in version.split(".")[:3]) < MIN_XGRAMMAR:
-        raise SystemExit(f"xgrammar {version} found ({xgrammar.__file__}); kvserve needs >= 0.2.9. Put its {tag} "
-                         f"wheels in {wheel_dir}/ (the docstring has the pip download command).")
-    return version
+    from kvserve.structured_output import backend_xgrammar
+
+    if backend_xgrammar.version() < backend_xgrammar.MIN_VERSION:
+        raise SystemExit(f"xgrammar {importlib.metadata.version('xgrammar')} found ({xgrammar.__file__}); kvserve "
+                         f"needs >= {'.'.join(map(str, backend_xgrammar.MIN_VERSION))}. Put its {tag} wheels in "
+                         f"{wheel_dir}/ (the docstring has the pip download command).")
+    return importlib.metadata.version("xgrammar")
 
 
 def _sync(device: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import os
 import re
 
@@ -16,6 +18,17 @@ from kvserve.structured_output.backend import (
     without_additional_properties,
 )
 from kvserve.structured_output.utf8 import ACCEPT, Utf8Guard
+
+
+logger = logging.getLogger(__name__)
+
+# pyproject.toml's floor: older xgrammar (0.2.7, vLLM 0.26's bundle) fills a JSON schema's string states tens of
+# times slower per row, past what a step's forward hides.
+MIN_VERSION = (0, 2, 9)
+
+
+def version() -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("xgrammar"))[:3])
 
 
 def _batch_filler():
@@ -102,6 +115,10 @@ class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_limit_bytes: int = 256 << 20):
+        if version() < MIN_VERSION:
+            logger.warning("xgrammar %s is older than %s, which kvserve needs: its masks are far slower to fill "
+                           "(constrained steps wait for them).", importlib.metadata.version("xgrammar"),
+                           ".".join(map(str, MIN_VERSION)))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self._guard = Utf8Guard(info.decoded_vocab, vocab_size)

@@ -57,6 +57,7 @@ class Utf8Guard:
             live = live[lengths[live] > pos]  # the tokens with a byte at pos
             state[:, live] = table[state[:, live], flat[starts[live] + pos]]
         self.next_state = state
+        self._next = [row.tobytes() for row in state]  # per state: indexing bytes is the fastest lookup per token
         allowed = state != INVALID
         allowed[INVALID] = True
         bits = np.zeros((NUM_STATES, num_words * 32), dtype=bool)
@@ -68,7 +69,7 @@ class Utf8Guard:
         self._accept_mask = self.masks[ACCEPT, self._accept_words]
 
     def advance(self, state: int, token_id: int) -> int:
-        return int(self.next_state[state, token_id])
+        return self._next[state][token_id]
 
     def apply(self, bitmask: torch.Tensor, rows: list[int], states: list[int]) -> None:
         """bitmask[rows[i]] &= the guard's row for states[i] (rows distinct, of an int32 CPU tensor). A row
