@@ -132,7 +132,8 @@ def write_random_checkpoint(path: str, device: str, seed: int = 0, shard_bytes: 
     t0 = time.perf_counter()
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+        state = transformers.AutoModelForCausalLM.from_config(config).state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     shards, size = [[]], 0  # the tensor names of each shard

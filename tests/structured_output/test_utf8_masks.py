@@ -10,7 +10,6 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -138,8 +137,7 @@ def test_the_gpu_benchmarks_invalid_string_with_the_llama31_tokenizer():
     left, then bytes that are no character."""
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from gpu_structured import SCHEMA as W1_SCHEMA
+    from benchmarks.gpu_structured import SCHEMA as W1_SCHEMA
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(LLAMA31))
     token_bytes = _token_bytes(tokenizer)
