@@ -458,6 +458,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                     help="checkpoint: one random bf16 checkpoint both engines load (written once to "
                          "--checkpoint-dir); dummy: each engine's own dummy weights (they differ)")
     ap.add_argument("--checkpoint-dir", default=CHECKPOINT_DIR)
+    ap.add_argument("--checkpoint-only", action="store_true",
+                    help="write the checkpoint (if it is not there yet) and stop: a device call of its own")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: a tiny random model on the CPU, 8 requests")
     ap.add_argument("--part", choices=["all", "vllm"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -473,6 +475,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     tokenizer_dir = args.tokenizer or default_tokenizer_dir()
     weights = "checkpoint" if args.dry_run else args.weights
     path, tokenizer_name = model_dir(tokenizer_dir, args.dry_run, weights, args.checkpoint_dir)
+    if args.checkpoint_only:
+        return None
     try:
         prompts = requests(args.num_prompts, args.dry_run)
         ours = run_kvserve(path, prompts, device, weights)
