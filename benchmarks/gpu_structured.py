@@ -1,6 +1,7 @@
 """Structured outputs on W1's shape: the cost of a JSON-schema constraint, kvserve against vLLM 0.26.0.
 
-One command on the GPU machine, after the vLLM bundle is unpacked (BENCHMARKS.md: `.vllm/`, two calls):
+One command on the GPU machine, after the vLLM bundle is unpacked (BENCHMARKS.md: `.vllm/`, two calls) and
+xgrammar 0.2.9's wheels are beside it (`.vllm/`, see below):
 
     bash .vllm/install.sh && PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_structured.py --out $OUT
 
@@ -9,10 +10,19 @@ runs in its subprocess and reports itself not run when vllm cannot be imported):
 
     PYTHONPATH=. python benchmarks/gpu_structured.py --dry-run
 
-The GPU image lacks xgrammar and jsonschema: this process takes them from the unpacked bundle (after the
-image's own packages). The model is W1's (Llama-3.1-8B shape, dummy bf16 weights) with the Llama 3.1 tokenizer saved beside it
-(`--tokenizer`, default `.vllm/`, where the bundle's tokenizer files travel; SmolLM2's when it is absent), so
-both engines mask the full 128,256-token vocabulary. The 256 W1 prompts, greedy, run:
+The GPU image lacks xgrammar and jsonschema. kvserve needs xgrammar >= 0.2.9 (pyproject.toml; the bundle's
+0.2.7 fills this schema's masks tens of times slower): this process unpacks the cp312 wheels of xgrammar and
+apache-tvm-ffi found in `.vllm/` (fetched once on the CPU machine with `pip download xgrammar==0.2.9
+apache-tvm-ffi==0.1.15.post2 --no-deps --only-binary=:all: --python-version 3.12 --platform
+manylinux_2_28_x86_64 -d .vllm`) ahead of everything, and takes the rest (jsonschema) from the bundle, after
+every package of the image. vLLM runs with its bundle as shipped (its xgrammar 0.2.7); the table names both.
+The model is W1's (Llama-3.1-8B shape) with the Llama 3.1 tokenizer saved beside it (`--tokenizer`, default
+`.vllm/`; SmolLM2's when it is absent), so both engines mask the full 128,256-token vocabulary. Both engines
+load the same weights: one random bf16 safetensors checkpoint of that shape, written on the device once
+into --checkpoint-dir (default /tmp/kvserve-w1-random-bf16, about 16 GB; kept for the next run) and read
+with load_format auto (`--weights dummy`: each engine's own dummy weights instead, which differ). Both
+compile the schema without optional whitespace (vLLM 0.26 reads disable_any_whitespace from its engine's
+structured_outputs_config only, not from the request). The 256 W1 prompts, greedy, run:
 1. kvserve with the JSON schema (async scheduling, the CUDA default): each request ends when its object closes
    (the schema bounds every string and array, so every output closes well inside max_tokens);
 2. kvserve without it, on the same engine, each request given exactly the output length it had in 1
@@ -20,11 +30,12 @@ both engines mask the full 128,256-token vocabulary. The 256 W1 prompts, greedy,
 3. vLLM 0.26.0 with the same schema (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
    xgrammar, the same model directory), in a subprocess started after kvserve's engine is freed, so each
    engine has the GPU to itself.
-Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three, the
-ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve constrained >= vLLM
-constrained), kvserve's per-step host time filling the bitmask (StructuredOutputManager.grammar_bitmask;
-under async scheduling it runs while the next step's forward is on the GPU) and the GPU time of one bitmask
-apply on [256, vocab] logits. The table is printed last; results go to DIR/gpu_structured.json.
+Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three, each
+run's output lengths, the ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve
+constrained >= vLLM constrained), kvserve's per-step host time filling the bitmask
+(StructuredOutputManager.grammar_bitmask; under async scheduling it runs while the next step's forward is on
+the GPU) and the GPU time of one bitmask apply on [256, vocab] logits. The table is printed last; results go
+to DIR/gpu_structured.json.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ import time
 import torch
 
 VLLM_SITE = "/tmp/vllmsite"
+KVSERVE_SITE = "/tmp/kvserve-site"  # xgrammar >= 0.2.9 for kvserve's process, unpacked from .vllm/'s wheels
+CHECKPOINT_DIR = "/tmp/kvserve-w1-random-bf16"
+WEIGHT_STD = 0.02  # HF's Llama initializer range
 MAX_MODEL_LEN = 4096
 MAX_TOKENS = 2048  # far above the schema's longest object: every constrained output closes
 DRY_RUN_PROMPTS, DRY_RUN_PROMPT_LEN = 8, 48
@@ -79,25 +93,83 @@ def default_tokenizer_dir() -> str | None:
     return ".vllm" if os.path.exists(os.path.join(".vllm", "tokenizer.json")) else None
 
 
-def model_dir(tokenizer_dir: str | None, dry_run: bool) -> tuple[str, str]:
-    """(a model directory with a tokenizer beside the weights' config, the tokenizer's name)."""
+def model_dir(tokenizer_dir: str | None, dry_run: bool, weights: str = "checkpoint",
+              checkpoint_dir: str = CHECKPOINT_DIR) -> tuple[str, str]:
+    """(a model directory with a tokenizer beside the weights' config, the tokenizer's name). With
+    weights="checkpoint" the directory holds the random checkpoint both engines load (written once)."""
     from kvserve.model.default_model import find_default_gguf, load_tokenizer
 
     if dry_run:
         return tiny_model_dir(), "SmolLM2 (tiny random model)"
     from kvserve.bench.datasets import write_w1_config
 
-    path = write_w1_config()
+    path = checkpoint_dir if weights == "checkpoint" else tempfile.mkdtemp(prefix="kvserve-w1-")
+    os.makedirs(path, exist_ok=True)
+    write_w1_config(path)
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(tokenizer_dir, name), path)
-        return path, f"Llama 3.1 ({tokenizer_dir})"
-    load_tokenizer(find_default_gguf()).save_pretrained(path)
-    return path, "SmolLM2 (no Llama 3.1 tokenizer found: its vocabulary is masked beyond 49,152)"
+        name = f"Llama 3.1 ({tokenizer_dir})"
+    else:
+        load_tokenizer(find_default_gguf()).save_pretrained(path)
+        name = "SmolLM2 (no Llama 3.1 tokenizer found: its vocabulary is masked beyond 49,152)"
+    if weights == "checkpoint":
+        write_random_checkpoint(path, "cuda")
+    return path, name
+
+
+def write_random_checkpoint(path: str, device: str, seed: int = 0, shard_bytes: int = 4 << 30) -> float:
+    """Random bf16 weights for the config in `path` as HF safetensors shards (with their index), unless a
+    complete set is there already; the seconds it took. Every tensor is drawn on `device` from one seeded
+    generator: normal(0, WEIGHT_STD), norms ones."""
+    import transformers
+    from safetensors.torch import save_file
+
+    done = os.path.join(path, "random-weights.done")
+    if os.path.exists(done):
+        print(f"== weights: {path} (written before)", flush=True)
+        return 0.0
+    t0 = time.perf_counter()
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        state = transformers.AutoModelForCausalLM.from_config(config).state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    shards, size = [[]], 0  # the tensor names of each shard
+    for name, shape in shapes.items():
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if size and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                t = (torch.randn(shapes[name], generator=gen, device=device) * WEIGHT_STD).to(torch.bfloat16).cpu()
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * 2
+        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    open(done, "w").close()
+    seconds = time.perf_counter() - t0
+    print(f"== weights: {total / 1e9:.1f} GB of random bf16 in {len(shards)} shards written to {path} in "
+          f"{seconds:.0f} s", flush=True)
+    return seconds
 
 
 def tiny_model_dir() -> str:
-    """A random 2-layer Llama with SmolLM2's tokenizer (the test suite's tiny model), for --dry-run."""
+    """A random 2-layer Llama with SmolLM2's tokenizer (the test suite's tiny model), for --dry-run; its weights
+    come from the same writer as the GPU run's checkpoint."""
     import transformers
 
     from kvserve.model.default_model import find_default_gguf, load_tokenizer
@@ -106,11 +178,11 @@ def tiny_model_dir() -> str:
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False,
-                                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
+                                      bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"])
     path = tempfile.mkdtemp(prefix="kvserve-structured-tiny-")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    write_random_checkpoint(path, "cpu")
     return path
 
 
@@ -139,9 +211,21 @@ def validate(texts: list[str]) -> tuple[int, list[str]]:
     return valid, problems[:3]
 
 
-def use_bundle_libraries() -> None:
-    """The GPU image has no xgrammar or jsonschema; the vLLM bundle has them (xgrammar 0.2.7): this process
-    finds them there, after every package of the image (the bundle holds no torch or transformers)."""
+def use_bundle_libraries(wheel_dir: str = ".vllm") -> str:
+    """kvserve's xgrammar (>= 0.2.9) from the wheels in `wheel_dir`, ahead of everything; jsonschema (and the
+    xgrammar wheels' own dependencies) from the vLLM bundle, after every package of the image (the bundle
+    holds no torch or transformers). Returns the xgrammar version in use."""
+    import glob
+    import zipfile
+
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheels = [w for name in ("xgrammar", "apache_tvm_ffi")
+              for w in sorted(glob.glob(os.path.join(wheel_dir, f"{name}-*-{tag}-*.whl")))[-1:]]
+    if wheels:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(KVSERVE_SITE)
+        sys.path.insert(0, KVSERVE_SITE)
     if os.path.isdir(VLLM_SITE) and VLLM_SITE not in sys.path:
         sys.path.append(VLLM_SITE)
     try:
@@ -149,7 +233,16 @@ def use_bundle_libraries() -> None:
         import xgrammar  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"{e}: kvserve's structured outputs need xgrammar (and this check jsonschema); unpack "
-                         f"the vLLM bundle first (bash .vllm/install.sh), which has both") from None
+                         f"the vLLM bundle first (bash .vllm/install.sh), which has jsonschema") from None
+    import importlib.metadata
+
+    from kvserve.structured_output import backend_xgrammar
+
+    if backend_xgrammar.version() < backend_xgrammar.MIN_VERSION:
+        raise SystemExit(f"xgrammar {importlib.metadata.version('xgrammar')} found ({xgrammar.__file__}); kvserve "
+                         f"needs >= {'.'.join(map(str, backend_xgrammar.MIN_VERSION))}. Put its {tag} wheels in "
+                         f"{wheel_dir}/ (the docstring has the pip download command).")
+    return importlib.metadata.version("xgrammar")
 
 
 def _sync(device: str) -> None:
@@ -158,14 +251,14 @@ def _sync(device: str) -> None:
 
 
 # ---- kvserve --------------------------------------------------------------------------------------------------
-def run_kvserve(path: str, prompts: list[list[int]], device: str) -> dict:
+def run_kvserve(path: str, prompts: list[list[int]], device: str, weights: str = "checkpoint") -> dict:
     """The constrained run, then the unconstrained one with each request's length from it; one engine."""
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
     # xgrammar, as vLLM's auto picks for this schema (and llguidance is not loaded for nothing).
     kwargs = dict(max_model_len=MAX_MODEL_LEN, structured_outputs_config='{"backend": "xgrammar"}')
     if device == "cuda":
-        kwargs.update(load_format="dummy", dtype="bfloat16")
+        kwargs.update(load_format="dummy" if weights == "dummy" else "auto", dtype="bfloat16")
     else:
         kwargs.update(kv_cache_memory_bytes=64 << 20)
     t0 = time.perf_counter()
@@ -203,6 +296,7 @@ def run_kvserve(path: str, prompts: list[list[int]], device: str) -> dict:
         texts = [tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
         valid, problems = validate(texts)
         with_schema = {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+                       "lengths": length_stats(lengths),
                        "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs), "valid": valid,
                        "num_requests": len(outs), "problems": problems}
         if mask_times:
@@ -219,7 +313,8 @@ def run_kvserve(path: str, prompts: list[list[int]], device: str) -> dict:
         seconds = time.perf_counter() - t0
         num_out = sum(len(o.outputs[0].token_ids) for o in outs)
         assert num_out == sum(lengths), (num_out, sum(lengths))
-        without = {"seconds": seconds, "output_tokens": num_out, "tokens_per_s": num_out / seconds}
+        without = {"seconds": seconds, "output_tokens": num_out, "tokens_per_s": num_out / seconds,
+                   "lengths": length_stats([len(o.outputs[0].token_ids) for o in outs])}
         vocab = engine.config.model_config.vocab_size
     finally:
         engine.shutdown()
@@ -228,6 +323,10 @@ def run_kvserve(path: str, prompts: list[list[int]], device: str) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     return {"init_s": init_s, "vocab_size": vocab, "constrained": with_schema, "unconstrained": without}
+
+
+def length_stats(lengths: list[int]) -> dict:
+    return {"mean": statistics.mean(lengths), "min": min(lengths), "max": max(lengths)} if lengths else {}
 
 
 def apply_ms(vocab: int, device: str, rows: int = 256) -> float:
@@ -249,14 +348,16 @@ def apply_ms(vocab: int, device: str, rows: int = 256) -> float:
 
 
 # ---- vLLM (its own process) -----------------------------------------------------------------------------------
-def run_vllm_subprocess(path: str, num_prompts: int, dry_run: bool, result_file: str) -> dict:
+def run_vllm_subprocess(path: str, num_prompts: int, dry_run: bool, result_file: str,
+                        weights: str = "checkpoint") -> dict:
     """This script again with --part vllm, vLLM's site first on its path (its workers inherit it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in [VLLM_SITE, here, env.get("PYTHONPATH", "")] if p)
     cmd = [sys.executable, os.path.abspath(__file__), "--part", "vllm", "--model-dir", path,
-           "--num-prompts", str(num_prompts), "--result-file", result_file] + (["--dry-run"] if dry_run else [])
+           "--num-prompts", str(num_prompts), "--result-file", result_file, "--weights", weights] + (
+               ["--dry-run"] if dry_run else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, check=False)
     print(f"== vLLM subprocess: rc {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -285,8 +386,10 @@ def vllm_part(args) -> None:
         return
     prompts = requests(args.num_prompts, dry_run=False)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model_dir, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.90,
-              max_model_len=MAX_MODEL_LEN, seed=0)
+    # disable_any_whitespace is the engine's: vLLM 0.26's xgrammar backend ignores the request's field.
+    llm = LLM(model=args.model_dir, load_format="dummy" if args.weights == "dummy" else "auto", dtype="bfloat16",
+              gpu_memory_utilization=0.90, max_model_len=MAX_MODEL_LEN, seed=0,
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
         json=SCHEMA, disable_any_whitespace=True))
@@ -296,9 +399,13 @@ def vllm_part(args) -> None:
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    num_out = sum(lengths)
     valid, problems = validate([o.outputs[0].text for o in outs])
-    write({"vllm_version": vllm.__version__, "init_s": init_s, "seconds": seconds, "output_tokens": num_out,
+    import importlib.metadata
+
+    write({"vllm_version": vllm.__version__, "xgrammar": importlib.metadata.version("xgrammar"), "init_s": init_s,
+           "seconds": seconds, "output_tokens": num_out, "lengths": length_stats(lengths),
            "tokens_per_s": num_out / seconds, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
            "valid": valid, "num_requests": len(outs), "problems": problems})
 
@@ -308,8 +415,10 @@ def print_table(result: dict) -> None:
     ours, theirs = result["kvserve"], result["vllm"]
     free, constrained = ours["unconstrained"], ours["constrained"]
     print(f"\n{result['device']}: W1 prompts ({result['num_prompts']}), greedy, JSON schema; tokenizer "
-          f"{result['tokenizer']}")
-    print(f"{'run':30} {'out tok':>8} {'s':>7} {'tok/s':>9} {'stop':>5} {'valid':>8} {'mask ms/step':>18}")
+          f"{result['tokenizer']}; weights: {result.get('weights', '?')}; xgrammar: kvserve "
+          f"{ours.get('xgrammar', '?')}, vLLM {theirs.get('xgrammar', '-')}")
+    print(f"{'run':30} {'out tok':>8} {'len mean (min-max)':>19} {'s':>7} {'tok/s':>9} {'stop':>5} {'valid':>8} "
+          f"{'mask ms/step':>18}")
     mask = (f"{constrained['mask_ms_mean']:.2f} (p99 {constrained['mask_ms_p99']:.2f})"
             if "mask_ms_mean" in constrained else "-")
     rows = [("kvserve, no constraint", free, "-", "-", "-"),
@@ -319,8 +428,10 @@ def print_table(result: dict) -> None:
         rows.append((f"vLLM {theirs['vllm_version']}, JSON schema", theirs, theirs["finished_stop"],
                      f"{theirs['valid']}/{theirs['num_requests']}", "-"))
     for name, r, stop, valid, m in rows:
-        print(f"{name:30} {r['output_tokens']:8d} {r['seconds']:7.2f} {r['tokens_per_s']:9.0f} {stop!s:>5} "
-              f"{valid:>8} {m:>18}")
+        lengths = r.get("lengths") or {}
+        length = f"{lengths['mean']:.0f} ({lengths['min']}-{lengths['max']})" if lengths else "-"
+        print(f"{name:30} {r['output_tokens']:8d} {length:>19} {r['seconds']:7.2f} {r['tokens_per_s']:9.0f} "
+              f"{stop!s:>5} {valid:>8} {m:>18}")
     if "not_run" in theirs:
         print(f"vLLM: not run ({theirs['not_run']})")
     for name, ratio, target in [("constrained / unconstrained kvserve", result["ratio_vs_unconstrained"],
@@ -343,6 +454,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json and tokenizer_config.json "
                     "(default: .vllm/ when it has them, else SmolLM2's)")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--weights", choices=["checkpoint", "dummy"], default="checkpoint",
+                    help="checkpoint: one random bf16 checkpoint both engines load (written once to "
+                         "--checkpoint-dir); dummy: each engine's own dummy weights (they differ)")
+    ap.add_argument("--checkpoint-dir", default=CHECKPOINT_DIR)
+    ap.add_argument("--checkpoint-only", action="store_true",
+                    help="write the checkpoint (if it is not there yet) and stop: a device call of its own")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: a tiny random model on the CPU, 8 requests")
     ap.add_argument("--part", choices=["all", "vllm"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -354,20 +471,28 @@ def main(argv: list[str] | None = None) -> dict | None:
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on the GPU machine, or here with --dry-run")
-    use_bundle_libraries()
+    xgrammar_version = use_bundle_libraries()
     tokenizer_dir = args.tokenizer or default_tokenizer_dir()
-    path, tokenizer_name = model_dir(tokenizer_dir, args.dry_run)
+    weights = "checkpoint" if args.dry_run else args.weights
+    path, tokenizer_name = model_dir(tokenizer_dir, args.dry_run, weights, args.checkpoint_dir)
+    if args.checkpoint_only:
+        return None
     try:
         prompts = requests(args.num_prompts, args.dry_run)
-        ours = run_kvserve(path, prompts, device)
+        ours = run_kvserve(path, prompts, device, weights)
+        ours["xgrammar"] = xgrammar_version
         if args.skip_vllm:
             theirs = {"not_run": "--skip-vllm"}
         else:
             theirs = run_vllm_subprocess(path, args.num_prompts, args.dry_run,
-                                         os.path.join(tempfile.mkdtemp(prefix="kvserve-structured-"), "vllm.json"))
+                                         os.path.join(tempfile.mkdtemp(prefix="kvserve-structured-"), "vllm.json"),
+                                         weights)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if path != args.checkpoint_dir:  # the shared checkpoint stays for the next run
+            shutil.rmtree(path, ignore_errors=True)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)", "device_type": device,
+              "weights": ("one random bf16 checkpoint, both engines" if weights == "checkpoint"
+                          else "each engine's dummy weights"),
               "num_prompts": len(prompts), "tokenizer": tokenizer_name, "schema": SCHEMA, "kvserve": ours,
               "vllm": theirs, "apply_ms_256_rows": apply_ms(ours["vocab_size"], device),
               "ratio_vs_unconstrained": ours["constrained"]["tokens_per_s"] / ours["unconstrained"]["tokens_per_s"],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import os
 import re
 
@@ -15,6 +17,18 @@ from kvserve.structured_output.backend import (
     legacy_structural_tag,
     without_additional_properties,
 )
+from kvserve.structured_output.utf8 import ACCEPT, Utf8Guard
+
+
+logger = logging.getLogger(__name__)
+
+# pyproject.toml's floor: older xgrammar (0.2.7, vLLM 0.26's bundle) fills a JSON schema's string states tens of
+# times slower per row, past what a step's forward hides.
+MIN_VERSION = (0, 2, 9)
+
+
+def version() -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("xgrammar"))[:3])
 
 
 def _batch_filler():
@@ -30,8 +44,12 @@ _BATCH_FILLER = None
 
 
 class XgrammarMatcher(Matcher):
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    """xgrammar's matcher, its rows ANDed with the UTF-8 guard's for the output's decoder state."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: Utf8Guard):
         self._m = xgr.GrammarMatcher(compiled)
+        self._guard = guard
+        self._states = [ACCEPT]  # the decoder state after each accepted token (the last is now's)
 
     @classmethod
     def fill_bitmasks(cls, matchers: list[Matcher], bitmask, rows: list[int]) -> None:
@@ -40,26 +58,33 @@ class XgrammarMatcher(Matcher):
             super().fill_bitmasks(matchers, bitmask, rows)
             return
         filler.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
+        matchers[0]._guard.apply(bitmask, rows, [m._states[-1] for m in matchers])
 
     def accept_token(self, token_id: int) -> bool:
-        return self._m.accept_token(token_id)
+        if not self._m.accept_token(token_id):
+            return False
+        self._states.append(self._guard.advance(self._states[-1], token_id))
+        return True
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        self._guard.apply(bitmask, [row], [self._states[-1]])
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        del self._states[len(self._states) - num_tokens:]
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
 
 class XgrammarGrammar(CompiledGrammar):
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: Utf8Guard):
         self.compiled = compiled
+        self.guard = guard
 
     def new_matcher(self) -> Matcher:
-        return XgrammarMatcher(self.compiled)
+        return XgrammarMatcher(self.compiled, self.guard)
 
 
 def _message(error: Exception) -> str:
@@ -90,12 +115,17 @@ class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_limit_bytes: int = 256 << 20):
+        if version() < MIN_VERSION:
+            logger.warning("xgrammar %s is older than %s, which kvserve needs: its masks are far slower to fill "
+                           "(constrained steps wait for them).", importlib.metadata.version("xgrammar"),
+                           ".".join(map(str, MIN_VERSION)))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
+        self._guard = Utf8Guard(info.decoded_vocab, vocab_size)
 
     def compile(self, params) -> CompiledGrammar:
         try:
-            return XgrammarGrammar(self._compile(params))
+            return XgrammarGrammar(self._compile(params), self._guard)
         except Exception as e:  # noqa: BLE001 - whatever the library raises, it refused this constraint
             raise ValueError(f"xgrammar: {_message(e)}") from None
 

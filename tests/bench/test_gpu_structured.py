@@ -22,6 +22,35 @@ def test_dry_run_exercises_every_part_but_the_gpu(tmp_path, capsys):
     assert json.loads((tmp_path / "gpu_structured.json").read_text())["num_prompts"] == gpu_structured.DRY_RUN_PROMPTS
     out = capsys.readouterr().out
     assert "kvserve, JSON schema" in out and "vLLM: not run" in out
+    assert "both engines" in result["weights"] and constrained["lengths"]["max"] >= constrained["lengths"]["min"] > 0
+    assert f"{constrained['lengths']['mean']:.0f} (" in out  # each run's output lengths are printed
+
+
+def test_random_checkpoint_is_sharded_reproducible_and_loads(tmp_path):
+    """The weights both engines load: HF safetensors shards with their index, the same for the same seed,
+    written once (a second call finds them)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                      architectures=["LlamaForCausalLM"])
+    paths = [tmp_path / "a", tmp_path / "b"]
+    for path in paths:
+        config.save_pretrained(path)
+        assert gpu_structured.write_random_checkpoint(str(path), "cpu", shard_bytes=20_000) >= 0
+    shards = sorted(p.name for p in paths[0].glob("*.safetensors"))
+    assert len(shards) > 1
+    index = json.loads((paths[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths[0], torch_dtype=torch.bfloat16)
+    state = model.state_dict()
+    assert set(index) == set(state)
+    for name in shards:
+        a, b = load_file(paths[0] / name), load_file(paths[1] / name)
+        for key, tensor in a.items():
+            assert torch.equal(tensor, b[key]) and torch.equal(tensor, state[key])
+    assert gpu_structured.write_random_checkpoint(str(paths[0]), "cpu") == 0.0  # found, not rewritten
 
 
 def test_table_with_vllm(capsys):
