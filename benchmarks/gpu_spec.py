@@ -330,7 +330,8 @@ def part_c(path: str, quick: bool) -> dict:
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             got = drafter.totals.since(before) if drafter else None
             row[name] = {"tok_s": n_out / dt, "tokens": _tokens(outs), "choices": choices,
-                         "drafts": got.num_draft_tokens if got else 0, "accepted": got.num_accepted_tokens if got else 0,
+                         "drafts": got.num_draft_tokens if got else 0,
+                         "accepted": got.num_accepted_tokens if got else 0,
                          "budget": drafter.budget.describe() if drafter else None}
             llm.llm_engine.shutdown()
             del llm, drafter

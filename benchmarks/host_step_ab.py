@@ -16,11 +16,12 @@ per step under cProfile, which is exact and load-free. --profile prints each tre
 Async scheduling is on, as on CUDA. Only APIs present at a34d16e are used, so one file measures both trees.
 
 --spec: speculation off against `{"method": "ngram"}` turned down, in this tree (and, with --spec-old, in
-another tree too). The n-gram engine gets the draft budget it would have on CUDA (a CPU budget would turn
-drafts down at any batch past a few requests), and the fake model's greedy token is a function of the
-position, so the prompt-lookup drafts are never right (the budget learns that and turns itself down, probing
-now and then). The table also counts the steps that drafted in the timed window (probes, or the first steps
-before the budget has measured anything).
+another tree too). A child builds both engines and steps them in turn (the order alternating), so the load
+of a shared machine drifts over both alike. The n-gram engine gets the draft budget it would have on CUDA (a
+CPU budget would turn drafts down at any batch past a few requests), and the fake model's greedy token is a
+function of the position, so the prompt-lookup drafts are never right (the budget learns that and turns
+itself down, probing now and then). The table also counts the timed steps that drafted (probes, or the
+first steps before the budget has measured anything).
 """
 
 from __future__ import annotations
@@ -61,25 +62,30 @@ def _count_gc() -> None:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ---- child: one tree, one engine -------------------------------------------------------------------
+# ---- child: one tree, one engine (or, with --spec, two stepped in turn) ------------------------------
+_active: list[dict] = [{}]  # the part totals of the engine stepping now (PendingOutput.result is per class)
+
+
 def _timed_parts(engine, totals: dict) -> None:
     """Wraps schedule / execute_async / PendingOutput.result / update to add their CPU time to totals, less
     the garbage collections that ran inside them (counted apart: a collection lands wherever it falls)."""
     from kvserve.worker.runner_output import PendingOutput
 
-    def wrap(name, fn):
+    def wrap(name, fn, into=None):
         def timed(*a, **kw):
             c, g = time.thread_time(), _gc_cpu[0]
             r = fn(*a, **kw)
-            totals[name] += time.thread_time() - c - (_gc_cpu[0] - g)
+            (into or _active[0])[name] += time.thread_time() - c - (_gc_cpu[0] - g)
             return r
         return timed
 
     sched, executor = engine.scheduler, engine.executor
-    sched.schedule = wrap("schedule", sched.schedule)
-    executor.execute_async = wrap("launch", executor.execute_async)
-    sched.update = wrap("update", sched.update)
-    PendingOutput.result = wrap("wait", PendingOutput.result)
+    sched.schedule = wrap("schedule", sched.schedule, totals)
+    executor.execute_async = wrap("launch", executor.execute_async, totals)
+    sched.update = wrap("update", sched.update, totals)
+    if not getattr(PendingOutput, "_host_step_ab_timed", False):
+        PendingOutput.result = wrap("wait", PendingOutput.result)
+        PendingOutput._host_step_ab_timed = True
 
 
 def _fake_model(model, by_position: bool = False) -> None:
@@ -110,76 +116,113 @@ def _fake_model(model, by_position: bool = False) -> None:
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
-def child(num_reqs: int, steps: int, profile: bool, spec: str = "", prompt_len: int = 32) -> dict:
-    """`spec`: "" (the plain engine), "off" or "ngram" (the --spec arms: outputs by position)."""
+class _Arm:
+    """One engine with 256 (num_reqs) decoding requests, and the CPU time of its steps by part."""
+
+    def __init__(self, num_reqs: int, steps: int, prompt_len: int, spec: str):
+        from kvserve import LLM, SamplingParams
+        from kvserve.sampling_params import RequestOutputKind
+
+        path = tempfile.mkdtemp(prefix="kvserve-host-ab-")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(TINY_CONFIG, f)
+        tokens_per_req = prompt_len + 3 * steps + 128
+        llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
+                  max_model_len=max(1024, tokens_per_req), max_num_seqs=num_reqs, max_num_batched_tokens=8192,
+                  kv_cache_memory_bytes=num_reqs * tokens_per_req * 1024 + (64 << 20), async_scheduling=True,
+                  **({"speculative_config": NGRAM} if spec == "ngram" else {}))
+        self.llm, self.engine, self.num_reqs = llm, llm.llm_engine, num_reqs
+        _fake_model(self.engine.runner.model, by_position=bool(spec))
+        if spec == "ngram":
+            from kvserve.spec_decode.drafter import Drafter
+
+            self.engine.drafter = self.engine.proposer = Drafter(self.engine.config.args.speculative_config, "cuda")
+        self.totals = dict.fromkeys(PARTS, 0.0)
+        _timed_parts(self.engine, self.totals)
+        self.reset()
+        rng = random.Random(0)
+        params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        for i in range(num_reqs):
+            ids = [rng.randint(3, TINY_CONFIG["vocab_size"] - 1) for _ in range(prompt_len)]
+            self.engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        sched = self.engine.scheduler
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+            self.step()
+        for _ in range(4):  # warm: every request decoding, the pipeline full
+            self.step()
+        self.check()
+        self.reset()
+
+    def check(self) -> None:
+        n = len(self.engine.scheduler.running)
+        assert n == self.num_reqs, f"{n} running, expected {self.num_reqs}"
+
+    def reset(self) -> None:
+        for k in self.totals:
+            self.totals[k] = 0.0
+        self.cpu = self.gc = 0.0
+        self.steps = self.drafting_steps = 0
+
+    def step(self) -> None:
+        _active[0] = self.totals
+        c, g = time.thread_time(), _gc_cpu[0]
+        self.engine.step()
+        self.cpu += time.thread_time() - c
+        self.gc += _gc_cpu[0] - g
+        self.steps += 1
+        drafter = getattr(self.engine, "drafter", None)  # absent in old trees
+        self.drafting_steps += drafter is not None and drafter.last_choice.num_draft_tokens > 0
+
+    def result(self) -> dict:
+        import kvserve
+
+        n = self.steps
+        res = {"kvserve": os.path.dirname(kvserve.__file__), "step": self.cpu / n, "gc": self.gc / n,
+               "drafting_steps": self.drafting_steps, **{k: v / n for k, v in self.totals.items()}}
+        res["step_no_gc"] = res["step"] - res["gc"]
+        res["rest"] = res["step_no_gc"] - sum(res[k] for k in PARTS)
+        return res
+
+
+def _calls(arms: list, steps: int, profile: bool) -> list[tuple[float, str]]:
+    """Python function calls per step of each arm under cProfile (exact and load-free), and its top functions."""
+    out = []
+    for arm in arms:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            arm.step()
+        prof.disable()
+        text = ""
+        if profile:
+            s = io.StringIO()
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(40)
+            text = s.getvalue()
+        out.append((pstats.Stats(prof).total_calls / steps, text))
+        arm.check()
+    return out
+
+
+def child(num_reqs: int, steps: int, profile: bool, spec: bool = False, prompt_len: int = 32) -> dict:
+    """The plain engine; or, with `spec`, engines without speculation ("off") and with ngram ("ngram")
+    stepped in turn (the order alternating), so the machine's load drifts over both alike."""
     import torch
 
     torch.set_num_threads(1)
-    import kvserve
-    from kvserve import LLM, SamplingParams
-    from kvserve.sampling_params import RequestOutputKind
-
-    path = tempfile.mkdtemp(prefix="kvserve-host-ab-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_CONFIG, f)
-    tokens_per_req = prompt_len + 3 * steps + 128
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
-              max_model_len=max(1024, tokens_per_req), max_num_seqs=num_reqs, max_num_batched_tokens=8192,
-              kv_cache_memory_bytes=num_reqs * tokens_per_req * 1024 + (64 << 20), async_scheduling=True,
-              **({"speculative_config": NGRAM} if spec == "ngram" else {}))
-    engine = llm.llm_engine
-    _fake_model(engine.runner.model, by_position=bool(spec))
-    drafting_steps = [0]
-    if spec == "ngram":
-        from kvserve.spec_decode.drafter import Drafter
-
-        engine.drafter = engine.proposer = Drafter(engine.config.args.speculative_config, "cuda")
-        step = engine.step
-
-        def counted_step():
-            out = step()
-            drafting_steps[0] += engine.drafter.last_choice.num_draft_tokens > 0
-            return out
-        engine.step = counted_step
-    totals = dict.fromkeys(PARTS, 0.0)
-    _timed_parts(engine, totals)
     _count_gc()
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-    for i in range(num_reqs):
-        ids = [rng.randint(3, TINY_CONFIG["vocab_size"] - 1) for _ in range(prompt_len)]
-        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
-    sched = engine.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-        engine.step()
-    for _ in range(4):  # warm: every request decoding, the pipeline full
-        engine.step()
-    assert len(sched.running) == num_reqs, f"{len(sched.running)} running, expected {num_reqs}"
-    for k in totals:
-        totals[k] = 0.0
-    drafting_steps[0] = 0
-    c, g = time.thread_time(), _gc_cpu[0]
-    for _ in range(steps):
-        engine.step()
-    cpu, gc_cpu = time.thread_time() - c, _gc_cpu[0] - g
-    res = {"kvserve": os.path.dirname(kvserve.__file__), "step": cpu / steps, "gc": gc_cpu / steps,
-           "drafting_steps": drafting_steps[0], **{k: v / steps for k, v in totals.items()}}
-    res["step_no_gc"] = res["step"] - res["gc"]
-    res["rest"] = res["step_no_gc"] - sum(res[k] for k in PARTS)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
-    res["calls"] = pstats.Stats(prof).total_calls / steps
-    if profile:
-        s = io.StringIO()
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(40)
-        res["profile"] = s.getvalue()
-    assert len(sched.running) == num_reqs
-    return res
+    names = ("off", "ngram") if spec else ("plain",)
+    arms = [_Arm(num_reqs, steps, prompt_len, name if spec else "") for name in names]
+    for i in range(steps):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            arm.step()
+    results = {name: arm.result() for name, arm in zip(names, arms)}
+    for (calls, text), name in zip(_calls(arms, steps, profile), names):
+        results[name]["calls"] = calls
+        if profile:
+            results[name]["profile"] = text
+    return results if spec else results["plain"]
 
 
 # ---- parent: both trees, alternating ---------------------------------------------------------------
@@ -190,16 +233,17 @@ def old_tree(commit: str) -> str:
     return path
 
 
-def run_child(tree: str, spec: str, args) -> dict:
+def run_child(tree: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--num-reqs", str(args.num_reqs),
            "--steps", str(args.steps), "--prompt-len", str(args.prompt_len)]
-    cmd += (["--profile"] if args.profile else []) + (["--child-spec", spec] if spec else [])
+    cmd += (["--profile"] if args.profile else []) + (["--spec"] if args.spec else [])
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"child in {tree} failed:\n{out.stderr[-4000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert os.path.realpath(res["kvserve"]).startswith(os.path.realpath(tree)), (res["kvserve"], tree)
+    for r in (res.values() if args.spec else [res]):
+        assert os.path.realpath(r["kvserve"]).startswith(os.path.realpath(tree)), (r["kvserve"], tree)
     return res
 
 
@@ -211,53 +255,58 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--spec", action="store_true", help="speculation off against ngram turned down, in the new tree")
-    ap.add_argument("--spec-old", help="with --spec: also ngram in this commit's tree")
+    ap.add_argument("--spec", action="store_true",
+                    help="speculation off against ngram turned down, both in each tree (the new one, and --spec-old)")
+    ap.add_argument("--spec-old", help="with --spec: the same comparison in this commit's tree too")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--child-spec", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.num_reqs, args.steps, args.profile, args.child_spec, args.prompt_len)))
+        print(json.dumps(child(args.num_reqs, args.steps, args.profile, args.spec, args.prompt_len)))
         return
-    if args.spec:  # arm name -> (tree, speculation)
-        arms = {"off": (args.new, "off"), "ngram": (args.new, "ngram")}
-        if args.spec_old:
-            arms[f"ngram at {args.spec_old}"] = (old_tree(args.spec_old), "ngram")
+    if args.spec:
+        trees = {"new": args.new, **({args.spec_old: old_tree(args.spec_old)} if args.spec_old else {})}
     else:
-        arms = {"old": (old_tree(args.old), ""), "new": (args.new, "")}
-    names = list(arms)
-    runs = {name: [] for name in names}
+        trees = {"old": old_tree(args.old), "new": args.new}
+    names = list(trees)
+    results = {name: [] for name in names}
     for i in range(args.rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:  # each round starts with the next arm
-            runs[name].append(run_child(*arms[name], args))
-            print(f"round {i + 1} {name}: {runs[name][-1]['step'] * 1e3:.3f} ms/step", file=sys.stderr, flush=True)
+        for name in (names if i % 2 == 0 else names[::-1]):
+            results[name].append(run_child(trees[name], args))
+            r = results[name][-1]
+            took = (f"off {r['off']['step'] * 1e3:.3f}, ngram {r['ngram']['step'] * 1e3:.3f}" if args.spec
+                    else f"{r['step'] * 1e3:.3f}")
+            print(f"round {i + 1} {name}: {took} ms/step", file=sys.stderr, flush=True)
+    # Columns: one per tree (old, new); with --spec, off and ngram per tree.
+    if args.spec:
+        runs = {f"{tree} {arm}": [r[arm] for r in results[tree]] for tree in names for arm in ("off", "ngram")}
+        ratios = [(f"{tree} ngram", f"{tree} off") for tree in names]
+    else:
+        runs = results
+        ratios = [("new", "old")]
     if args.profile:
-        for name in names:
-            print(f"==== {name} ({arms[name][0]}), top by tottime, then cumulative ====\n{runs[name][-1]['profile']}")
+        for name, rs in runs.items():
+            print(f"==== {name}, top by tottime, then cumulative ====\n{rs[-1]['profile']}")
     rows = ("step", "step_no_gc", *PARTS, "rest", "gc")
     best = {name: {k: min(r[k] for r in rs) for k in (*rows, "calls")} for name, rs in runs.items()}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_step_ab.json"), "w") as f:
-            json.dump({"arms": arms, "runs": runs, "best": best}, f, indent=1)
-    first = names[0]
+            json.dump({"trees": trees, "runs": runs, "best": best}, f, indent=1)
+    cols = list(runs)
     print(f"\n{args.num_reqs} decode requests ({args.prompt_len}-token prompts), forward faked; main-thread CPU ms "
           f"per step, best of {args.rounds} rounds of {args.steps} steps; "
-          + "; ".join(f"{n} = {tree}{' ' + sp if sp else ''}" for n, (tree, sp) in arms.items()))
-    others = names[1:]
-    print("| part | " + " | ".join(names) + " | " + " | ".join(f"{n} / {first}" for n in others) + " |")
-    print("|---" * (1 + len(names) + len(others)) + "|")
+          + "; ".join(f"{name} = {tree}" for name, tree in trees.items()))
+    print("| part | " + " | ".join(cols) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|---" * (1 + len(cols) + len(ratios)) + "|")
     for k in (*rows, "calls"):
         scale = 1 if k == "calls" else 1e3
-        vals = [best[n][k] for n in names]
-        cells = [f"{v * scale:.0f}" if k == "calls" else f"{v * scale:.3f}" for v in vals]
-        ratios = [f"{best[n][k] / best[first][k]:.3f}" if best[first][k] else "nan" for n in others]
-        label = "Python calls per step" if k == "calls" else k
-        print(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        cells = [f"{best[c][k] * scale:.0f}" if k == "calls" else f"{best[c][k] * scale:.3f}" for c in cols]
+        quotients = [f"{best[a][k] / best[b][k]:.3f}" if best[b][k] else "nan" for a, b in ratios]
+        print(f"| {'Python calls per step' if k == 'calls' else k} | " + " | ".join(cells) + " | "
+              + " | ".join(quotients) + " |")
     if args.spec:
-        print("| steps that drafted (of each round's timed steps) | "
-              + " | ".join("/".join(str(r["drafting_steps"]) for r in runs[n]) for n in names) + " |"
-              + " |" * len(others))
+        print("| steps that drafted, per round | "
+              + " | ".join("/".join(str(r["drafting_steps"]) for r in runs[c]) for c in cols) + " |" * (1 + len(ratios)))
 
 
 if __name__ == "__main__":

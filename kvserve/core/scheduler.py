@@ -166,7 +166,7 @@ class Scheduler:
                 break
             if req.spec_token_ids:
                 scheduled.append(self._scheduled(req, num_new, new_block_ids, False, req.spec_token_ids[:num_drafts]))
-                req.spec_token_ids = []  # offered once: the proposer offers fresh ones after the update
+                req.spec_token_ids = []  # offered once: the proposer offers fresh ones for the next drafting step
             else:
                 scheduled.append(self._scheduled(req, num_new, new_block_ids, False))
             budget -= num_new + num_drafts

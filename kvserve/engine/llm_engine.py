@@ -116,7 +116,7 @@ class LLMEngine:
         )
         self.preemption_log = PreemptionLog(args.max_num_seqs, args.gpu_memory_utilization, swap["preemption_mode"])
         self.output_processor = OutputProcessor(self.tokenizer, config.model_config.vocab_size)
-        # Speculative decoding: offers draft tokens after each update (spec_decode/proposer.py); None: off.
+        # Speculative decoding: offers draft tokens before each drafting step (spec_decode/proposer.py); None: off.
         self.proposer: Proposer | None = None
         self.drafter: Drafter | None = None  # --speculative-config: the proposer with its budget and stats
         if config.args.speculative_config is not None:
@@ -392,7 +392,7 @@ class LLMEngine:
         result = step.pending.result()
         new_tokens = dict(zip(result.req_ids, result.sampled_token_ids))
         touched = self.scheduler.update(step.sched_out, new_tokens)
-        if self.drafter is not None:
+        if self.drafter is not None and step.sched_out.message.scheduled_spec_decode_tokens:  # a step that drafted
             for sched in step.sched_out.scheduled:
                 tokens = new_tokens.get(sched.request_id)
                 if sched.spec_token_ids and tokens:

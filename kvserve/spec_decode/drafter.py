@@ -1,6 +1,6 @@
 """The engine's speculative-decoding owner: the configured proposer, sized each step by the draft budget,
 and the acceptance it measured (for the budget, /metrics and the log line). Pure Python: it runs in the
-step loop, after each update, on the host."""
+step loop on the host, deciding before each step whether it drafts."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
 VERIFY_OVERHEAD = {"cuda": 1.3, "cpu": 1.0}
 # Gain a step with drafts must promise beyond its modelled cost (the model is an estimate).
 MIN_GAIN = {"cuda": 1.05, "cpu": 1.03}
+# Requests a probe (one draft, while speculation is off for acceptance) asks the proposer about: enough to
+# measure, few enough that catching their indexes up and verifying them costs little whatever the batch.
+PROBE_REQUESTS = 8
 
 
 def _weights_read_per_step(cfg) -> int:
@@ -73,11 +76,19 @@ class Drafter:
         return choice
 
     def propose(self, requests: Sequence) -> dict[str, list[int]]:
+        """Drafts for the decoding requests among `requests` (for the first PROBE_REQUESTS of them in a
+        probe): one still in its prompt's prefill has no use for them until its last chunk, and would count
+        as a request without a draft."""
         k = self.last_choice.num_draft_tokens
         if not k:
             return {}
-        drafts = self.proposer.propose(requests, k)
-        self.budget.record_proposals(len(requests), len(drafts))
+        decoding = [r for r in requests if r.output_token_ids]
+        if self.last_choice.reason == "probe":
+            decoding = decoding[:PROBE_REQUESTS]
+        if not decoding:
+            return {}
+        drafts = self.proposer.propose(decoding, k)
+        self.budget.record_proposals(len(decoding), len(drafts))
         return drafts
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:

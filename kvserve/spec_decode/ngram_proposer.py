@@ -7,11 +7,11 @@ so these drafts are often right, and they cost no model.
 
 Per request the proposer keeps an index from the key of each n-gram (a hash salted by n: every n in one
 table) to the end of its latest occurrence, in two parts: the bulk, built with numpy in one pass (the
-prompt, or the whole context after many steps without drafting), one sorted array searched with
-`np.searchsorted` behind a bitmap that answers most misses in Python; and the tokens added since, one dict
-entry per n-gram. A step then costs O(new tokens x n) per request whatever the context length, and starting
-(or resuming after a pause in drafting) costs one vectorized pass instead of a Python loop over the context.
-A key hit is compared token by token, so a collision can only cost a draft, never a wrong one.
+prompt, or the whole context after many steps without drafting) into one sorted array, searched behind a
+bitmap that answers most misses without a search; and the tokens added since, one dict entry per n-gram. A
+step then costs O(new tokens x n) per request whatever the context length, and starting (or resuming after
+a pause in drafting) costs one vectorized pass instead of a Python loop over the context. A key hit is
+compared token by token, so a collision can only cost a draft, never a wrong one.
 """
 
 from __future__ import annotations
@@ -102,17 +102,19 @@ class NgramProposer:
         bits = np.zeros(1 << log_bits, dtype=bool)
         bits[(bulk >> np.uint64(shift)).astype(np.int64)] = True
         return _RequestIndex(tokens=tokens, num_prompt=num_prompt, bulk=bulk, end_bits=end_bits,
-                             bulk_filter=np.packbits(bits, bitorder="little").tobytes(),
-                             filter_shift=shift)
+                             bulk_filter=np.packbits(bits, bitorder="little").tobytes(), filter_shift=shift)
 
     @staticmethod
     def _bulk_end_of(index: _RequestIndex, key: int) -> int | None:
-        """The latest end of `key` in the bulk (compared on its top bits), or None. Callers test the filter
-        first."""
+        """The latest end of `key` in the bulk (compared on its top bits), or None."""
+        h = key >> index.filter_shift
+        if not index.bulk_filter[h >> 3] >> (h & 7) & 1:
+            return None
         end_bits = index.end_bits
         top = key >> end_bits
-        last = (top << end_bits) | ((1 << end_bits) - 1)  # the largest entry this key can have
-        pos = int(np.searchsorted(index.bulk, np.uint64(last), side="right")) - 1
+        # The last entry at or below the largest one this key can have (the method: np.searchsorted's
+        # dispatch costs several times the search).
+        pos = int(index.bulk.searchsorted(np.uint64((top << end_bits) | ((1 << end_bits) - 1)), side="right")) - 1
         if pos < 0:
             return None
         entry = int(index.bulk[pos])
@@ -153,19 +155,14 @@ class NgramProposer:
         all_keys = self._keys_ending_at(tokens, length)
         index.suffix_keys = (length, all_keys)
         keys = all_keys[:max(0, length - self.min_n)]  # n <= length - 1: an earlier occurrence fits
-        recent, bulk_filter, filter_shift = index.recent, index.bulk_filter, index.filter_shift
+        recent = index.recent
         for i in range(len(keys) - 1, -1, -1):  # the longest n first
             key = keys[i]
             end = recent.get(key)
             if end is None:
-                h = key >> filter_shift
-                if not bulk_filter[h >> 3] >> (h & 7) & 1:
-                    continue
                 end = self._bulk_end_of(index, key)
-                if end is None:
-                    continue
             n = self.min_n + i
-            if tokens[end - n:end] == tokens[length - n:]:
+            if end is not None and tokens[end - n:end] == tokens[length - n:]:
                 return tokens[end:end + k]
         return []
 

@@ -1,4 +1,4 @@
-"""The proposer interface: after each step's update the engine asks for draft tokens per running request.
+"""The proposer interface: before a step that drafts, the engine asks for draft tokens per running request.
 
 A proposer sees each request read-only (`RequestView`: its id, prompt, outputs so far and sampling
 parameters) and returns, for the requests it has a guess for, the tokens it expects next. The scheduler

@@ -155,3 +155,29 @@ def test_bad_measurements_are_refused():
         b.record_proposals(2, 3)
     with pytest.raises(ValueError):
         DraftBudget(2, verify_overhead=0.9)
+
+
+def test_a_probe_asks_about_a_few_decoding_requests_and_counts_what_was_found():
+    from types import SimpleNamespace
+
+    from kvserve.spec_decode import drafter as drafter_module
+
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    d = Drafter(spec, "cuda")
+    asked = []
+
+    class Half:  # finds a draft for every other request it is asked about
+        def propose(self, requests, num_tokens=None):
+            asked.append([r.request_id for r in requests])
+            return {r.request_id: [1] for r in requests[::2]}
+    d.proposer = Half()
+    requests = [SimpleNamespace(request_id=str(i), output_token_ids=[] if i < 3 else [5]) for i in range(30)]
+    d.last_choice = BudgetChoice(1, "probe")
+    assert len(d.propose(requests)) == drafter_module.PROBE_REQUESTS // 2
+    assert asked[-1] == [str(i) for i in range(3, 3 + drafter_module.PROBE_REQUESTS)]  # prefilling ones left out
+    d.last_choice = BudgetChoice(2, "on")
+    d.propose(requests)
+    assert asked[-1] == [str(i) for i in range(3, 30)]
+    assert d.budget.hit_rate < 1.0
+    d.last_choice = BudgetChoice(0, "acceptance")
+    assert d.propose(requests) == {} and len(asked) == 2  # off: the proposer is not asked

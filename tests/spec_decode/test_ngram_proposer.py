@@ -48,8 +48,8 @@ def test_matches_brute_force_as_tokens_arrive(prompt, chunks, k, min_n, extra_n)
        chunks=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=20), max_size=8),
        k=st.integers(1, 4), min_n=st.integers(1, 3), extra_n=st.integers(0, 2))
 def test_rebuilds_and_filter_false_positives_keep_the_same_drafts(prompt, chunks, k, min_n, extra_n):
-    # Rebuilds after 2 new tokens, and a 1-bit-per-entry filter that lets most misses through to the
-    # sorted bulk: both paths must give the brute force's drafts.
+    # Rebuilds (the whole context into the sorted bulk) after every 3 or more new tokens, and a bitmap of
+    # one bit per entry that lets most misses through to the search: both must give the brute force's drafts.
     max_n = min_n + extra_n
     with mock.patch.object(ngram_proposer, "REBUILD_MIN_TOKENS", 2), \
             mock.patch.object(ngram_proposer, "REBUILD_RATIO", 10 ** 6), \
@@ -71,7 +71,8 @@ def test_large_token_ids_and_a_long_context():
     assert proposer.propose([_req("a", prompt, [])]) == {"a": passage[1003:1008]}
     output = passage[1003:1010]
     assert proposer.propose([_req("a", prompt, output)]) == {"a": passage[1010:1015]}
-    assert proposer.propose([_req("a", prompt, output + [7])]).get("a", []) == brute_force(prompt + output + [7], 5, 2, 4)
+    output.append(7)
+    assert proposer.propose([_req("a", prompt, output)]).get("a", []) == brute_force(prompt + output, 5, 2, 4)
 
 
 def test_fewer_tokens_per_step_and_several_requests():
