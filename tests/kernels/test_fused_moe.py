@@ -76,16 +76,9 @@ def test_triton_fused_moe_equals_torch_reference(tokens, experts, top_k, dtype):
 
 @needs_interpreter
 def test_triton_fused_moe_expert_parallel_rank_sums_only_its_experts():
-    from kvserve.ops.fused_moe import fused_moe_triton
-
     x, w13, w2, weights, ids = _case(21, 8, 2, 32, 32, torch.float32)
     full = fused_moe_torch(x, w13, w2, weights, ids)
-    halves = []
-    for first in (0, 4):  # two ranks, experts 0-3 and 4-7
-        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
-        halves.append(fused_moe_triton(x, w13[first:first + 4], w2[first:first + 4], weights, local,
-                                       all_experts_local=False))
-    torch.testing.assert_close(halves[0] + halves[1], full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_two_expert_parallel_ranks(x, w13, w2, weights, ids), full, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter
@@ -115,6 +108,22 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _norm_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())).item()
+
+
+def _two_expert_parallel_ranks(x, w13, w2, weights, ids, extras=None, scales=None, **kw):
+    """The sum of two ranks' outputs, each holding 4 of the 8 experts (and their biases, and scales if any)."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    halves = []
+    for first in (0, 4):
+        mine = slice(first, first + 4)
+        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
+        # The biases have a row per expert: each rank holds its experts' rows.
+        part = {name: value[mine] if name.endswith("_bias") else value for name, value in (extras or {}).items()}
+        rank_scales = () if scales is None else (scales[0][mine], scales[1][mine])
+        halves.append(fused_moe_triton(x, w13[mine], w2[mine], weights, local, *rank_scales,
+                                       all_experts_local=False, **kw, **part))
+    return halves[0] + halves[1]
 
 
 def _count_quantized_rows(monkeypatch) -> list[int]:
@@ -164,15 +173,8 @@ def test_triton_fused_moe_w8a8_with_biases_clamped_swiglu_and_expert_parallel_eq
     out = fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=True, **extras)
     assert rows == [tokens, tokens * 2]
     assert _rel_err(out, ref) < W8A8_TOL[torch.float32]
-    halves = []
-    for first in (0, 4):
-        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
-        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4],
-                "w2_bias": extras["w2_bias"][first:first + 4]}
-        halves.append(fused_moe_triton(x, q13[first:first + 4], q2[first:first + 4], weights, local,
-                                       s13[first:first + 4], s2[first:first + 4], all_experts_local=False,
-                                       quantize_activations=True, **part))
-    assert _rel_err(halves[0] + halves[1], ref) < W8A8_TOL[torch.float32]
+    both = _two_expert_parallel_ranks(x, q13, q2, weights, ids, extras, scales=(s13, s2), quantize_activations=True)
+    assert _rel_err(both, ref) < W8A8_TOL[torch.float32]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
@@ -272,14 +274,8 @@ def test_triton_fused_moe_with_biases_and_clamped_swiglu_equals_torch_reference(
     ref = fused_moe_torch(x, w13, w2, weights, ids, **extras)
     torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids, **extras), ref, atol=1e-5, rtol=1e-5)
     # Expert parallel: each rank adds the biases of its own experts only.
-    halves = []
-    for first in (0, 4):
-        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1)
-        part = {**extras, "w13_bias": extras["w13_bias"][first:first + 4],
-                "w2_bias": extras["w2_bias"][first:first + 4]}
-        halves.append(fused_moe_triton(x, w13[first:first + 4], w2[first:first + 4], weights, local,
-                                       all_experts_local=False, **part))
-    torch.testing.assert_close(halves[0] + halves[1], ref, atol=1e-5, rtol=1e-5)
+    both = _two_expert_parallel_ranks(x, w13, w2, weights, ids, extras)
+    torch.testing.assert_close(both, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
