@@ -29,18 +29,22 @@ def _req(rid, prompt, output):
     return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, output_token_ids=output)
 
 
-@settings(max_examples=150, deadline=None)
-@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40),
-       chunks=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=5), max_size=12),
-       k=st.integers(1, 6), min_n=st.integers(1, 3), extra_n=st.integers(0, 3))
-def test_matches_brute_force_as_tokens_arrive(prompt, chunks, k, min_n, extra_n):
-    max_n = min_n + extra_n
+def _assert_brute_force_drafts_as_tokens_arrive(prompt, chunks, k, min_n, max_n):
     proposer = NgramProposer(k, min_n, max_n)
     output: list[int] = []
     for chunk in [[]] + chunks:
         output.extend(chunk)  # several tokens per step, as after accepted drafts
         got = proposer.propose([_req("a", prompt, output)]).get("a", [])
         assert got == brute_force(prompt + output, k, min_n, max_n)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+       chunks=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=5), max_size=12),
+       k=st.integers(1, 6), min_n=st.integers(1, 3), extra_n=st.integers(0, 3))
+def test_matches_brute_force_as_tokens_arrive(prompt, chunks, k, min_n, extra_n):
+    max_n = min_n + extra_n
+    _assert_brute_force_drafts_as_tokens_arrive(prompt, chunks, k, min_n, max_n)
 
 
 @settings(max_examples=150, deadline=None)
@@ -54,12 +58,7 @@ def test_rebuilds_and_filter_false_positives_keep_the_same_drafts(prompt, chunks
     with mock.patch.object(ngram_proposer, "REBUILD_MIN_TOKENS", 2), \
             mock.patch.object(ngram_proposer, "REBUILD_RATIO", 10 ** 6), \
             mock.patch.object(ngram_proposer, "FILTER_BITS_PER_KEY", 1):
-        proposer = NgramProposer(k, min_n, max_n)
-        output: list[int] = []
-        for chunk in [[]] + chunks:
-            output.extend(chunk)
-            got = proposer.propose([_req("a", prompt, output)]).get("a", [])
-            assert got == brute_force(prompt + output, k, min_n, max_n)
+        _assert_brute_force_drafts_as_tokens_arrive(prompt, chunks, k, min_n, max_n)
 
 
 def test_large_token_ids_and_a_long_context():
