@@ -288,6 +288,7 @@ def main():
     if not args.skip_engine:
         for quantization in (None, "fp8"):
             engine(results, args.num_requests, quantization, args)
+    vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
 
@@ -316,8 +317,6 @@ def main():
         print(f"\n| parity (small Qwen3-MoE, bf16) | identical vs HF {p['identical_vs_hf']}/8; splits at HF top-2 "
               f"margins {[r['hf_top2_logit_margin_at_split'] for r in p['vs_hf'] if not r['identical']]}; graphs == "
               f"eager {p['graphs_equal_eager']}; chunked identical {p['chunked_identical_vs_hf']}/8 |")
-    vllm = load_vllm(args.vllm_dir)
-    results["vllm"] = vllm
     print("\n| Qwen3-30B-A3B shape, dummy weights | W1 output tok/s (s) | batch-1 tok/s | weights GiB | start (s) "
           "| vLLM W1 / batch-1 tok/s | kvserve / vLLM W1, batch-1 (target >= 1.00x) |")
     print("|---|---|---|---|---|---|---|")
@@ -330,8 +329,6 @@ def main():
                       f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "not run | -")
             print(f"| {label} | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | "
                   f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} | {versus} |")
-    with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
-        json.dump(results, f, indent=1)
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")
     raise SystemExit(0 if ok else 1)
