@@ -23,19 +23,22 @@ into --checkpoint-dir (default /tmp/kvserve-w1-random-bf16, about 16 GB; kept fo
 with load_format auto (`--weights dummy`: each engine's own dummy weights instead, which differ). Both
 compile the schema without optional whitespace (vLLM 0.26 reads disable_any_whitespace from its engine's
 structured_outputs_config only, not from the request). The 256 W1 prompts, greedy, run:
+0. a warm-up of the whole batch, with and without the schema, WARMUP_TOKENS tokens each (the grammar compiles, and
+   every kernel shape of the timed runs is compiled before anything is timed); then REPEATS times 1 and 2:
 1. kvserve with the JSON schema (async scheduling, the CUDA default): each request ends when its object closes
    (the schema bounds every string and array, so every output closes well inside max_tokens);
 2. kvserve without it, on the same engine, each request given exactly the output length it had in 1
    (ignore_eos): the same batch shapes, so the ratio is the constraint's cost alone;
-3. vLLM 0.26.0 with the same schema (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
+3. vLLM 0.26.0 with the same schema, the same warm-up and REPEATS runs (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
    xgrammar, the same model directory), in a subprocess started after kvserve's engine is freed, so each
    engine has the GPU to itself.
-Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three, each
-run's output lengths, the ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve
+Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three (the
+faster of each kind's runs, and every run), each run's output lengths, the ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve
 constrained >= vLLM constrained), kvserve's per-step host time filling the bitmask
 (StructuredOutputManager.grammar_bitmask; under async scheduling it runs while the next step's forward is on
 the GPU) and the GPU time of one bitmask apply on [256, vocab] logits. The table is printed last; results go
-to DIR/gpu_structured.json.
+to DIR/gpu_structured.json. `--profile` adds the host's time per step phase and the GPU's busy time per step
+for both kvserve runs (benchmarks/step_phases.py).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ MAX_MODEL_LEN = 4096
 MAX_TOKENS = 2048  # far above the schema's longest object: every constrained output closes
 DRY_RUN_PROMPTS, DRY_RUN_PROMPT_LEN = 8, 48
 TARGET_VS_UNCONSTRAINED, TARGET_VS_VLLM = 0.95, 1.0
+WARMUP_TOKENS, REPEATS = 16, 2  # every timed run is preceded by a whole-batch warm-up; each kind runs REPEATS times
+PROFILE_FIRST_STEP, PROFILE_STEPS = 40, 20  # --profile's GPU window: decode steps, past the prefills
 
 # An extraction-shaped object whose every string and array is bounded, so its length is too.
 SCHEMA = {
@@ -251,8 +256,11 @@ def _sync(device: str) -> None:
 
 
 # ---- kvserve --------------------------------------------------------------------------------------------------
-def run_kvserve(path: str, prompts: list[list[int]], device: str, weights: str = "checkpoint") -> dict:
-    """The constrained run, then the unconstrained one with each request's length from it; one engine."""
+def run_kvserve(path: str, prompts: list[list[int]], device: str, weights: str = "checkpoint",
+                profile: bool = False) -> dict:
+    """After a whole-batch warm-up, REPEATS times: the constrained run, then the unconstrained one with each
+    request's length from it; one engine. The faster run of each kind is reported, beside every run.
+    `profile`: then both again under profile_passes."""
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
     # xgrammar, as vLLM's auto picks for this schema (and llguidance is not loaded for nothing).
@@ -282,47 +290,94 @@ def run_kvserve(path: str, prompts: list[list[int]], device: str, weights: str =
                                  structured_outputs=constraint)
     batch = [{"prompt_token_ids": p} for p in prompts]
     try:
-        # Warm-up: the grammar compiles (then cached), and both kinds of step run once.
-        llm.generate(batch[:4], constrained, use_tqdm=False)
-        llm.generate(batch[:4], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False),
+        # Warm-up, the whole batch both ways with short outputs: the grammar compiles (then cached) and the kernels
+        # of every shape the timed runs meet (batch 256, 256 mask rows) compile before anything is timed.
+        warm_constrained = constrained.clone()
+        warm_constrained.max_tokens = WARMUP_TOKENS
+        llm.generate(batch, warm_constrained, use_tqdm=False)
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False),
                      use_tqdm=False)
-        mask_times.clear()
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, constrained, use_tqdm=False)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        lengths = [len(o.outputs[0].token_ids) for o in outs]
-        texts = [tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
-        valid, problems = validate(texts)
-        with_schema = {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
-                       "lengths": length_stats(lengths),
-                       "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs), "valid": valid,
-                       "num_requests": len(outs), "problems": problems}
-        if mask_times:
-            per_step = sorted(t for t, _ in mask_times)
-            with_schema.update(mask_steps=len(per_step), mask_ms_mean=1e3 * statistics.mean(per_step),
-                               mask_ms_p99=1e3 * per_step[int(0.99 * (len(per_step) - 1))],
-                               mask_rows_mean=statistics.mean(r for _, r in mask_times))
-        free_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-                       for n in lengths]
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, free_params, use_tqdm=False)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert num_out == sum(lengths), (num_out, sum(lengths))
-        without = {"seconds": seconds, "output_tokens": num_out, "tokens_per_s": num_out / seconds,
-                   "lengths": length_stats([len(o.outputs[0].token_ids) for o in outs])}
+        runs = []
+        for _ in range(REPEATS):  # alternating, so drift over the runs does not favour one kind
+            mask_times.clear()
+            with_schema, lengths = timed_constrained(llm, batch, constrained, tokenizer, device)
+            with_schema.update(mask_stats(mask_times))
+            free_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                           for n in lengths]
+            without = timed_unconstrained(llm, batch, free_params, sum(lengths), device)
+            runs.append((with_schema, without))
         vocab = engine.config.model_config.vocab_size
+        profiles = profile_passes(llm, batch, constrained, free_params, device) if profile else None
     finally:
         engine.shutdown()
         del llm, engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"init_s": init_s, "vocab_size": vocab, "constrained": with_schema, "unconstrained": without}
+    return {"init_s": init_s, "vocab_size": vocab, "constrained": max((c for c, _ in runs), key=_rate),
+            "unconstrained": max((u for _, u in runs), key=_rate), "runs": runs, "profile": profiles}
+
+
+def _rate(run: dict) -> float:
+    return run["tokens_per_s"]
+
+
+def timed_constrained(llm, batch, params, tokenizer, device: str) -> tuple[dict, list[int]]:
+    """One timed run with the schema, checked with jsonschema; (its figures, each output's length)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    valid, problems = validate([tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs])
+    return {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+            "lengths": length_stats(lengths), "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
+            "valid": valid, "num_requests": len(outs), "problems": problems}, lengths
+
+
+def timed_unconstrained(llm, batch, params, expected_tokens: int, device: str) -> dict:
+    """One timed run without the schema, each request held to its constrained run's length."""
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert sum(lengths) == expected_tokens, (sum(lengths), expected_tokens)
+    return {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+            "lengths": length_stats(lengths)}
+
+
+def mask_stats(mask_times: list[tuple[float, int]]) -> dict:
+    """The host's bitmask fill per step: mean and p99 milliseconds, mean rows."""
+    if not mask_times:
+        return {}
+    per_step = sorted(t for t, _ in mask_times)
+    return {"mask_steps": len(per_step), "mask_ms_mean": 1e3 * statistics.mean(per_step),
+            "mask_ms_p99": 1e3 * per_step[int(0.99 * (len(per_step) - 1))],
+            "mask_rows_mean": statistics.mean(r for _, r in mask_times)}
+
+
+def profile_passes(llm, batch, constrained, free_params, device: str) -> dict:
+    """Both runs again, each twice: once with the host's time per step phase (benchmarks/step_phases.py), once
+    with the GPU profiled over PROFILE_STEPS steps of its decode (busy vs wall per step, top kernels)."""
+    from benchmarks.step_phases import StepPhases, gpu_window
+
+    engine, result = llm.llm_engine, {}
+    for name, params in (("constrained", constrained), ("unconstrained", free_params)):
+        phases = StepPhases(engine)
+        try:
+            llm.generate(batch, params, use_tqdm=False)
+        finally:
+            phases.remove()
+        result[name] = {"host": phases.report()}
+        if device == "cuda":
+            window: dict = {}
+            with gpu_window(engine, PROFILE_FIRST_STEP, PROFILE_STEPS, window):
+                llm.generate(batch, params, use_tqdm=False)
+            result[name]["gpu"] = window
+    return result
 
 
 def length_stats(lengths: list[int]) -> dict:
@@ -394,24 +449,34 @@ def vllm_part(args) -> None:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
         json=SCHEMA, disable_any_whitespace=True))
     batch = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(batch[:4], params, use_tqdm=False)  # warm-up: the grammar compiles
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    warm = params.clone()
+    warm.max_tokens = WARMUP_TOKENS
+    llm.generate(batch, warm, use_tqdm=False)  # warm-up as kvserve's: the grammar compiles, every shape runs
+    seconds = float("inf")
+    all_seconds = []
+    for _ in range(REPEATS):  # the faster run counts, as for kvserve
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run = llm.generate(batch, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        all_seconds.append(time.perf_counter() - t0)
+        if all_seconds[-1] < seconds:
+            seconds, outs = all_seconds[-1], run
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     num_out = sum(lengths)
     valid, problems = validate([o.outputs[0].text for o in outs])
     import importlib.metadata
 
     write({"vllm_version": vllm.__version__, "xgrammar": importlib.metadata.version("xgrammar"), "init_s": init_s,
-           "seconds": seconds, "output_tokens": num_out, "lengths": length_stats(lengths),
+           "seconds": seconds, "all_seconds": all_seconds, "output_tokens": num_out, "lengths": length_stats(lengths),
            "tokens_per_s": num_out / seconds, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
            "valid": valid, "num_requests": len(outs), "problems": problems})
 
 
 # ---- the table ------------------------------------------------------------------------------------------------
 def print_table(result: dict) -> None:
+    from benchmarks.step_phases import format_phases
+
     ours, theirs = result["kvserve"], result["vllm"]
     free, constrained = ours["unconstrained"], ours["constrained"]
     print(f"\n{result['device']}: W1 prompts ({result['num_prompts']}), greedy, JSON schema; tokenizer "
@@ -432,6 +497,12 @@ def print_table(result: dict) -> None:
         length = f"{lengths['mean']:.0f} ({lengths['min']}-{lengths['max']})" if lengths else "-"
         print(f"{name:30} {r['output_tokens']:8d} {length:>19} {r['seconds']:7.2f} {r['tokens_per_s']:9.0f} "
               f"{stop!s:>5} {valid:>8} {m:>18}")
+    runs = ours.get("runs") or []
+    if len(runs) > 1:
+        print("every run, tok/s: kvserve constrained " + " / ".join(f"{c['tokens_per_s']:.0f}" for c, _ in runs)
+              + ", unconstrained " + " / ".join(f"{u['tokens_per_s']:.0f}" for _, u in runs)
+              + (", vLLM " + " / ".join(f"{theirs['output_tokens'] / t:.0f}" for t in theirs["all_seconds"])
+                 if "all_seconds" in theirs else ""))
     if "not_run" in theirs:
         print(f"vLLM: not run ({theirs['not_run']})")
     for name, ratio, target in [("constrained / unconstrained kvserve", result["ratio_vs_unconstrained"],
@@ -441,6 +512,13 @@ def print_table(result: dict) -> None:
         print(f"{name:40} {verdict}   target >= {target:.2f}x")
     print(f"bitmask apply, 256 rows x {ours['vocab_size']}: {result['apply_ms_256_rows']:.3f} ms on the "
           f"{'GPU' if result['device_type'] == 'cuda' else 'CPU'}")
+    for name, prof in (ours.get("profile") or {}).items():
+        print(f"profile, {name}: host {format_phases(prof['host'])}")
+        gpu = prof.get("gpu")
+        if gpu and gpu.get("steps"):
+            kernels = "; ".join(f"{k} {ms:.2f}" for k, ms in gpu["top_kernels"][:5])
+            print(f"profile, {name}: GPU busy {gpu['busy_ms']:.2f} of {gpu['wall_ms']:.2f} ms wall per step over "
+                  f"{gpu['steps']} steps; top kernels (ms/step): {kernels}")
     invalid = [(n, r["problems"]) for n, r in [("kvserve", constrained), ("vLLM", theirs)]
                if r.get("problems")]
     for name, problems in invalid:
@@ -460,6 +538,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--checkpoint-dir", default=CHECKPOINT_DIR)
     ap.add_argument("--checkpoint-only", action="store_true",
                     help="write the checkpoint (if it is not there yet) and stop: a device call of its own")
+    ap.add_argument("--profile", action="store_true",
+                    help="then both kvserve runs again: host time per step phase and the GPU's busy time per step")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: a tiny random model on the CPU, 8 requests")
     ap.add_argument("--part", choices=["all", "vllm"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -479,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     try:
         prompts = requests(args.num_prompts, args.dry_run)
-        ours = run_kvserve(path, prompts, device, weights)
+        ours = run_kvserve(path, prompts, device, weights, args.profile)
         ours["xgrammar"] = xgrammar_version
         if args.skip_vllm:
             theirs = {"not_run": "--skip-vllm"}

@@ -98,9 +98,11 @@ class LLMEngine:
         if self.eos_token_id is None and config.model_config.eos_token_ids:
             self.eos_token_id = config.model_config.eos_token_ids[0]
         # The constrained requests' matchers (None without a tokenizer: grammars are over its tokens).
+        # Its bitmasks are pinned where they cross to the device from this process (one asynchronous copy).
         self.structured_output = make_structured_output_manager(
             args, self.tokenizer, config.model_config.vocab_size,
-            [t for t in [self.eos_token_id, *config.model_config.eos_token_ids] if t is not None])
+            [t for t in [self.eos_token_id, *config.model_config.eos_token_ids] if t is not None],
+            pin_memory=self.executor.in_engine_process and config.device == "cuda")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -292,11 +294,14 @@ class LLMEngine:
         if not sched_out.is_empty:
             self.executor.maybe_inject_step_oom()
         launched = InFlightStep(sched_out, time.time(), self.executor.execute_async(sched_out))
-        if self._in_flight is not None:
-            outputs += self._finish(self._in_flight)  # its tokens are ready by now or soon: step N+1 is queued
+        if self._in_flight is not None:  # its tokens are ready by now or soon: step N+1 is queued
+            updated = self._update(self._in_flight)
+            if sched_out.message.grammar_bitmask_deferred:
+                # The matchers have seen step N's tokens: N+1's mask goes out before N's outputs are made,
+                # the shortest path from N's tokens to N+1's sampling.
+                self.executor.send_grammar_bitmask(*self.structured_output.grammar_bitmask(sched_out.scheduled))
+            outputs += self._make_outputs(self._in_flight, *updated)
             self._in_flight = None
-        if sched_out.message.grammar_bitmask_deferred:  # the matchers have seen step N's tokens now
-            self.executor.send_grammar_bitmask(*self.structured_output.grammar_bitmask(sched_out.scheduled))
         if self.async_scheduling and not sched_out.is_empty:
             self._in_flight = launched
         else:
@@ -389,6 +394,10 @@ class LLMEngine:
             f"tokens); the request failed and was not retried. The server operator should {advice}.", parents)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        return self._make_outputs(step, *self._update(step))
+
+    def _update(self, step: InFlightStep) -> tuple:
+        """A launched step's tokens, read back and given to the scheduler: (result, new tokens, touched)."""
         result = step.pending.result()
         new_tokens = dict(zip(result.req_ids, result.sampled_token_ids))
         touched = self.scheduler.update(step.sched_out, new_tokens)
@@ -397,6 +406,10 @@ class LLMEngine:
                 tokens = new_tokens.get(sched.request_id)
                 if sched.spec_token_ids and tokens:
                     self.drafter.observe(len(sched.spec_token_ids), len(tokens) - 1)
+        return result, new_tokens, touched
+
+    def _make_outputs(self, step: InFlightStep, result, new_tokens, touched) -> list[RequestOutput]:
+        """The updated step's RequestOutputs; stop strings found in its text finish their requests."""
         stops = self.output_processor.process(step.sched_out, result, touched, step.scheduled_time)
         if stops:
             self.scheduler.finish_by_stop_strings((s.request, s.num_output_tokens, s.stop) for s in stops)

@@ -6,8 +6,9 @@ from kvserve.structured_output.compiler import GrammarCompiler, StructuredOutput
 from kvserve.structured_output.reasoning import END, START, get_reasoning_parser
 
 
-def make_structured_output_manager(args, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """None without a tokenizer (grammars are over its tokens)."""
+def make_structured_output_manager(args, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                                   pin_memory: bool = False):
+    """None without a tokenizer (grammars are over its tokens). `pin_memory`: bitmasks in pinned host memory."""
     if tokenizer is None:
         return None
     from kvserve.structured_output.manager import StructuredOutputManager
@@ -19,4 +20,5 @@ def make_structured_output_manager(args, tokenizer, vocab_size: int, stop_token_
         end_ids = tokenizer.encode(END, add_special_tokens=False)
     compiler = GrammarCompiler(tokenizer, vocab_size, list(dict.fromkeys(stop_token_ids)), config)
     compiler.warm_up()
-    return StructuredOutputManager(compiler, vocab_size, reasoning_start_ids=start_ids, reasoning_end_ids=end_ids)
+    return StructuredOutputManager(compiler, vocab_size, reasoning_start_ids=start_ids, reasoning_end_ids=end_ids,
+                                   pin_memory=pin_memory)

@@ -38,8 +38,9 @@ class _State:
 
 class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, reasoning_start_ids: list[int] | None = None,
-                 reasoning_end_ids: list[int] | None = None):
+                 reasoning_end_ids: list[int] | None = None, pin_memory: bool = False):
         self.compiler = compiler
+        self.pin_memory = pin_memory  # bitmasks in pinned memory: the runner copies them to the GPU asynchronously
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self.reasoning_start_ids = list(reasoning_start_ids or [])
@@ -124,9 +125,9 @@ class StructuredOutputManager:
         num_rows = sum(1 + len(d) for _, _, d in entries)
         if any(d for _, _, d in entries):
             # All ones by default: a position past a draft the grammar refuses (or its end) is never sampled.
-            bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+            bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
         else:
-            bitmask = torch.empty((num_rows, self.num_words), dtype=torch.int32)
+            bitmask = torch.empty((num_rows, self.num_words), dtype=torch.int32, pin_memory=self.pin_memory)
         first_rows, row = {}, 0
         one_row: dict[type, tuple[list, list[int]]] = {}  # per matcher class: (matchers, rows), filled at once
         for rid, st, drafts in entries:

@@ -314,7 +314,7 @@ class ModelRunner:
                 mask_rows += range(first, first + n)
             row += n
         if logits_rows:
-            apply_token_bitmask(logits, bitmask[mask_rows], logits_rows)
+            apply_token_bitmask(logits, bitmask, logits_rows, mask_rows)
 
     @torch.inference_mode()
     def sample_deferred(self, bitmask, mask_row: dict[str, int]) -> None:

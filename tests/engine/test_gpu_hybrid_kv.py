@@ -71,13 +71,13 @@ def test_gemma3_shape_graphs_and_preemption_agree(tiny_gemma3_dir):
     eager, _ = _run(tiny_gemma3_dir, prompts, "bfloat16", enforce_eager=True)
     graphs, _ = _run(tiny_gemma3_dir, prompts, "bfloat16")
     assert graphs == eager
-    chunked, _ = _run(tiny_gemma3_dir, prompts, "bfloat16", max_num_batched_tokens=256)
-    assert chunked == _run(tiny_gemma3_dir, prompts, "bfloat16", max_num_batched_tokens=256, enforce_eager=True)[0]
-    # One request of 1024 tokens in chunks of 256 holds 64 blocks in the full group and cdiv(63 + 256, 16)
-    # + 1 = 21 in each windowed one: 169 blocks; 8 requests of ~300 tokens need more than 180.
+    chunks = dict(max_num_batched_tokens=64, max_num_seqs=8)
+    chunked, _ = _run(tiny_gemma3_dir, prompts, "bfloat16", **chunks)
+    assert chunked == _run(tiny_gemma3_dir, prompts, "bfloat16", enforce_eager=True, **chunks)[0]
+    # One request of 1024 tokens in chunks of 64 holds 64 blocks in the full group and cdiv(63 + 64, 16) + 1 = 9
+    # in each windowed one: 109 blocks; 8 requests of ~270 tokens growing by 32 need more than 120.
     for mode in ("recompute", "swap"):
         swap = {"preemption_mode": "swap", "swap_space": 0.05} if mode == "swap" else {}
-        small, stats = _run(tiny_gemma3_dir, prompts, "bfloat16", max_num_batched_tokens=256,
-                            num_gpu_blocks_override=180, **swap)
+        small, stats = _run(tiny_gemma3_dir, prompts, "bfloat16", num_gpu_blocks_override=120, **chunks, **swap)
         assert stats.num_preemptions_by_mode[mode] > 0
         assert small == chunked

@@ -18,7 +18,7 @@ import torch
 
 from kvserve.spec_decode.draft_budget import BudgetChoice
 from tests.eagle3_reference import save_random_head
-from tests.gpu_tier import ENGINE_TIER, GPU_TEST_MEMORY_UTILIZATION
+from tests.gpu_tier import ENGINE_TIER, GPU_TEST_KV_CACHE_BYTES
 
 pytestmark = ENGINE_TIER
 
@@ -49,7 +49,7 @@ def _run(path, spec=None, **kw):
     """(tokens, drafter totals or None, mixed-graph replays that verified drafts)."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype="float32", max_model_len=1024, gpu_memory_utilization=GPU_TEST_MEMORY_UTILIZATION,
+    llm = LLM(path, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=GPU_TEST_KV_CACHE_BYTES,
               skip_tokenizer_init=True, attention_backend="triton",
               **({"speculative_config": spec} if spec else {}), **kw)
     engine = llm.llm_engine
@@ -71,6 +71,8 @@ def _run(path, spec=None, **kw):
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     totals = engine.drafter.totals.copy() if engine.drafter is not None else None
+    if graphs is not None:
+        del graphs.run_mixed  # the class's method again: no cycle through the counter keeps the graphs alive
     engine.shutdown()
     del llm, engine, graphs, outs
     gc.collect()

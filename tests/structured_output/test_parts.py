@@ -70,6 +70,33 @@ def test_bitmask_apply_matches_xgrammar(compiler):
     assert 0 < int(allowed_tokens(bitmask[:1], VOCAB).sum()) < VOCAB
 
 
+def _row_mapped_reference(logits, bitmask, rows, mask_rows):
+    ref = logits.clone()
+    for r, m in zip(rows, mask_rows):
+        ref[r] = torch.where(allowed_tokens(bitmask[m:m + 1], VOCAB)[0], ref[r], float("-inf"))
+    return ref
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows,mask_rows", [
+    ([0, 1, 2, 3], None),  # every logits row, the bitmask's rows in order
+    ([0, 1, 2, 3], [0, 1, 2, 3]),
+    ([1, 3], [4, 0]),  # some rows, the bitmask's rows gathered out of order (drafts leave unused rows)
+    ([2], [3]),
+])
+def test_bitmask_apply_maps_rows(compiler, device, rows, mask_rows):
+    grammar = compiler.compile(StructuredOutputsParams(regex="(ab|x)[0-9]+"))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-VOCAB // 32)), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    grammar.new_matcher().fill_bitmask(bitmask, 0)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    ref = _row_mapped_reference(logits, bitmask, rows, mask_rows or list(range(len(rows))))
+    if mask_rows is None:
+        bitmask = bitmask[:len(rows)]
+    on_device = logits.to(device)
+    apply_token_bitmask(on_device, bitmask.pin_memory() if device == "cuda" else bitmask, rows, mask_rows)
+    assert torch.equal(on_device.cpu(), ref)
+
+
 def test_auto_falls_back_to_guidance_and_caches(smol_tokenizer):
     c = GrammarCompiler(smol_tokenizer, VOCAB, [smol_tokenizer.eos_token_id])
     c.warm_up().result()  # the libraries' import is no part of a compile
