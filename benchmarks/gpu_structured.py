@@ -49,14 +49,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-VLLM_SITE = "/tmp/vllmsite"
+from benchmarks.vllm_subprocess import VLLM_SITE, run_part, unavailable, write_result
+
 KVSERVE_SITE = "/tmp/kvserve-site"  # xgrammar >= 0.2.9 for kvserve's process, unpacked from .vllm/'s wheels
 CHECKPOINT_DIR = "/tmp/kvserve-w1-random-bf16"
 WEIGHT_STD = 0.02  # HF's Llama initializer range
@@ -405,40 +405,21 @@ def apply_ms(vocab: int, device: str, rows: int = 256) -> float:
 # ---- vLLM (its own process) -----------------------------------------------------------------------------------
 def run_vllm_subprocess(path: str, num_prompts: int, dry_run: bool, result_file: str,
                         weights: str = "checkpoint") -> dict:
-    """This script again with --part vllm, vLLM's site first on its path (its workers inherit it)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [VLLM_SITE, here, env.get("PYTHONPATH", "")] if p)
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", "vllm", "--model-dir", path,
-           "--num-prompts", str(num_prompts), "--result-file", result_file, "--weights", weights] + (
-               ["--dry-run"] if dry_run else [])
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, check=False)
-    print(f"== vLLM subprocess: rc {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
-    try:
-        with open(result_file) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {"not_run": f"the vLLM subprocess wrote no result (rc {proc.returncode})"}
+    """This script again with --part vllm (benchmarks/vllm_subprocess.py)."""
+    return run_part(__file__, ["--part", "vllm", "--model-dir", path, "--num-prompts", str(num_prompts),
+                               "--weights", weights] + (["--dry-run"] if dry_run else []), result_file)
 
 
 def vllm_part(args) -> None:
     """Inside the subprocess: vLLM with the same schema, prompts and model directory."""
-    def write(result: dict) -> None:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f, indent=2)
+    reason = unavailable(args.dry_run)
+    if reason is not None:
+        write_result(args.result_file, {"not_run": reason})
+        return
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    try:
-        import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-    except ImportError as e:
-        write({"not_run": f"vllm cannot be imported ({e}); unpack the bundle: bash .vllm/install.sh"})
-        return
-    if args.dry_run or not torch.cuda.is_available():
-        write({"not_run": f"vLLM {vllm.__version__} runs on the GPU only"})
-        return
     prompts = requests(args.num_prompts, dry_run=False)
     t0 = time.perf_counter()
     # disable_any_whitespace is the engine's: vLLM 0.26's xgrammar backend ignores the request's field.
@@ -467,10 +448,11 @@ def vllm_part(args) -> None:
     valid, problems = validate([o.outputs[0].text for o in outs])
     import importlib.metadata
 
-    write({"vllm_version": vllm.__version__, "xgrammar": importlib.metadata.version("xgrammar"), "init_s": init_s,
-           "seconds": seconds, "all_seconds": all_seconds, "output_tokens": num_out, "lengths": length_stats(lengths),
-           "tokens_per_s": num_out / seconds, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
-           "valid": valid, "num_requests": len(outs), "problems": problems})
+    write_result(args.result_file, {
+        "vllm_version": vllm.__version__, "xgrammar": importlib.metadata.version("xgrammar"), "init_s": init_s,
+        "seconds": seconds, "all_seconds": all_seconds, "output_tokens": num_out, "lengths": length_stats(lengths),
+        "tokens_per_s": num_out / seconds, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in outs),
+        "valid": valid, "num_requests": len(outs), "problems": problems})
 
 
 # ---- the table ------------------------------------------------------------------------------------------------
