@@ -3,7 +3,7 @@ Gemma-3-shaped tiny random model (12 layers, 5 windowed : 1 full, so 6 KV cache 
 2 KV tensors) on the Triton backend, prompts longer than the window. Against HF on the same GPU (fp32:
 identical, or split where HF's top-2 logits nearly tie), and against itself: CUDA graphs (decode and mixed
 steps, each group's tables staged) == eager, and a KV cache so small that requests are preempted (swap and
-recompute) == a large one."""
+recompute) == a large one (in fp32)."""
 
 from __future__ import annotations
 
@@ -75,9 +75,12 @@ def test_gemma3_shape_graphs_and_preemption_agree(tiny_gemma3_dir):
     chunked, _ = _run(tiny_gemma3_dir, prompts, "bfloat16", **chunks)
     assert chunked == _run(tiny_gemma3_dir, prompts, "bfloat16", enforce_eager=True, **chunks)[0]
     # One request of 1024 tokens in chunks of 64 holds 64 blocks in the full group and cdiv(63 + 64, 16) + 1 = 9
-    # in each windowed one: 109 blocks; 8 requests of ~270 tokens growing by 32 need more than 120.
+    # in each windowed one: 109 blocks; 8 requests of ~270 tokens growing by 32 need more than 120. Preempted
+    # requests run in other batch shapes (a recompute's prefill covers its generated tokens too), so this part
+    # compares in fp32, where a bf16 rounding cannot tip a near-tie.
+    reference, _ = _run(tiny_gemma3_dir, prompts, **chunks)
     for mode in ("recompute", "swap"):
         swap = {"preemption_mode": "swap", "swap_space": 0.05} if mode == "swap" else {}
-        small, stats = _run(tiny_gemma3_dir, prompts, "bfloat16", num_gpu_blocks_override=120, **chunks, **swap)
+        small, stats = _run(tiny_gemma3_dir, prompts, num_gpu_blocks_override=120, **chunks, **swap)
         assert stats.num_preemptions_by_mode[mode] > 0
-        assert small == chunked
+        assert small == reference
