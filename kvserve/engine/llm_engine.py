@@ -24,6 +24,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.preemption_log import PreemptionLog
 from kvserve.engine.step_errors import StepOutOfMemoryError
 from kvserve.executor.abstract import Executor
+from kvserve.gc_tuning import raise_young_generation_threshold
 from kvserve.inputs import parse_prompt
 from kvserve.request_limits import RequestLimits, ValidatedPrompt, validate_request
 from kvserve.model.default_model import load_tokenizer
@@ -125,6 +126,7 @@ class LLMEngine:
             self.drafter = Drafter.from_config(config)
             self.proposer = self.drafter
         self._ids = itertools.count()
+        raise_young_generation_threshold()  # this process runs the step loop
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         # Pipeline parallelism: up to pp batches in flight (one per stage), oldest first.

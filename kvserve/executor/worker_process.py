@@ -52,8 +52,10 @@ def run_worker_process(config, rank: int, local_rank: int, init_method: str, con
             conn.send_bytes(data)
 
     try:
+        from kvserve.gc_tuning import raise_young_generation_threshold
         from kvserve.worker.worker import Worker
 
+        raise_young_generation_threshold()  # this process runs every step's worker half
         worker = Worker(config, rank, local_rank, init_method)
         worker.init_device()
         worker.load_model()
