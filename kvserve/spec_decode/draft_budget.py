@@ -13,8 +13,10 @@ step over a plain decode step of as many requests before saturation. So the budg
 from the measured per-position acceptance and the measured share h of requests the proposer finds a draft
 for, and speculation is off (k* = 0) unless it gains at least `min_gain`. Expected tokens with per-position
 conditional acceptance a_1..a_k: 1 + h * sum_j prod_{i<=j} a_i. Step cost:
-verify_overhead * max(1, B(1 + hk) / saturation_tokens) / max(1, B / saturation_tokens), plus k draft
-steps at `draft_step_cost` each (0 for n-gram lookup; a draft model's forward relative to the target's).
+(verify_overhead + verify_overhead_per_request * (B - 1)) * max(1, B(1 + hk) / saturation_tokens) /
+max(1, B / saturation_tokens), plus k draft steps at `draft_step_cost` each (0 for n-gram lookup; a draft
+model's forward relative to the target's). The per-request term is the host's work for the batch, which a
+synchronous drafting step leaves exposed and an asynchronous plain step hides.
 
 While off because drafts are rarely right or rarely found (not because of the batch), one step proposes a
 single draft after `probe_interval` steps off, so the estimate can recover when the workload changes; each
@@ -35,7 +37,8 @@ class BudgetChoice:
 
 class DraftBudget:
     def __init__(self, num_speculative_tokens: int, saturation_tokens: int = 128, draft_step_cost: float = 0.0,
-                 verify_overhead: float = 1.0, min_gain: float = 1.03, smoothing: float = 0.05,
+                 verify_overhead: float = 1.0, verify_overhead_per_request: float = 0.0,
+                 min_gain: float = 1.03, smoothing: float = 0.05,
                  prior_acceptance: float = 0.7, probe_interval: int = 32, max_probe_interval: int = 256):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -44,7 +47,10 @@ class DraftBudget:
         self.max_k = num_speculative_tokens
         self.saturation_tokens = saturation_tokens
         self.draft_step_cost = draft_step_cost
+        if verify_overhead_per_request < 0.0:
+            raise ValueError(f"verify_overhead_per_request must be >= 0, got {verify_overhead_per_request}")
         self.verify_overhead = verify_overhead
+        self.verify_overhead_per_request = verify_overhead_per_request
         self.min_gain = min_gain
         self.smoothing = smoothing
         self.probe_interval = probe_interval
@@ -86,14 +92,17 @@ class DraftBudget:
             total += reach
         return 1.0 + h * total
 
-    def relative_cost(self, batch_size: int, k: int, hit_rate: float | None = None) -> float:
+    def relative_cost(self, batch_size: int, k: int, hit_rate: float | None = None,
+                      draft_step_cost: float | None = None) -> float:
         """A step of `batch_size` requests with k drafts for the share `hit_rate` of them, over a plain one."""
         if k == 0:
             return 1.0
         h = self.hit_rate if hit_rate is None else hit_rate
+        draft = self.draft_step_cost if draft_step_cost is None else draft_step_cost
         sat = self.saturation_tokens
         target = max(1.0, batch_size * (1 + h * k) / sat) / max(1.0, batch_size / sat)
-        return self.verify_overhead * target + k * self.draft_step_cost
+        overhead = self.verify_overhead + self.verify_overhead_per_request * max(0, batch_size - 1)
+        return overhead * target + k * draft
 
     def _best(self, batch_size: int) -> tuple[int, float]:
         best_k, best_gain = 0, 1.0
@@ -105,9 +114,7 @@ class DraftBudget:
 
     def _best_case_gain(self, batch_size: int, draft_step_cost: float) -> float:
         """The gain if every request had drafts and every draft were right."""
-        sat = self.saturation_tokens
-        return max((1 + k) / (self.verify_overhead * max(1.0, batch_size * (1 + k) / sat) / max(1.0, batch_size / sat)
-                              + k * draft_step_cost) for k in range(1, self.max_k + 1))
+        return max((1 + k) / self.relative_cost(batch_size, k, 1.0, draft_step_cost) for k in range(1, self.max_k + 1))
 
     def would_draft(self, batch_size: int) -> bool:
         """Whether drafts could pay at this batch size at all (every request drafting, every draft right)."""

@@ -23,6 +23,10 @@ SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
 # the proposer's host time; an H200 with the Llama-3.1-8B shape measures 1.30-1.33x at batch 1, k = 1..8
 # (BENCHMARKS.md, speculative decoding). CPU steps are synchronous with or without drafts.
 VERIFY_OVERHEAD = {"cuda": 1.3, "cpu": 1.0}
+# What each request beyond the first adds to that overhead: a synchronous step exposes the host's work for
+# the batch, which an asynchronous decode step hides behind the GPU. The same H200 measures a batch-64 verify
+# step at 2.24x its decode step (k = 1, every draft right). CPU steps hide nothing either way.
+VERIFY_OVERHEAD_PER_REQUEST = {"cuda": 0.015, "cpu": 0.0}
 # Gain a step with drafts must promise beyond its modelled cost (the model is an estimate).
 MIN_GAIN = {"cuda": 1.05, "cpu": 1.03}
 # Requests a probe (one draft, while speculation is off for acceptance) asks the proposer about: enough to
@@ -50,6 +54,8 @@ class Drafter:
                                   saturation_tokens=SATURATION_TOKENS.get(device_type, SATURATION_TOKENS["cuda"]),
                                   draft_step_cost=draft_step_cost,
                                   verify_overhead=VERIFY_OVERHEAD.get(device_type, VERIFY_OVERHEAD["cuda"]),
+                                  verify_overhead_per_request=VERIFY_OVERHEAD_PER_REQUEST.get(
+                                      device_type, VERIFY_OVERHEAD_PER_REQUEST["cuda"]),
                                   min_gain=MIN_GAIN.get(device_type, MIN_GAIN["cuda"]))
         self.totals = SpecDecodeStats()  # since start: /metrics counters and the log line take differences
         self.last_choice = BudgetChoice(spec.num_speculative_tokens, "on")

@@ -61,14 +61,25 @@ def test_on_a_gpu_large_batches_never_draft_even_with_perfect_drafts(batch):
 
 
 def test_verify_overhead_needs_more_accepted_tokens_than_it_costs():
-    # Batch 64 on a GPU: 128 tokens fit under saturation, so such a drafting step costs the overhead, 1.3x.
-    # Drafts found for half the requests and right 40% of the time give at most 1.28 tokens per step (k = 2,
-    # 128 tokens): a loss.
-    assert _cuda_budget([0.4] * 4, hit_rate=0.5).choose(64) == BudgetChoice(0, "acceptance")
-    # Found for every request and right 90% of the time: 1.9 tokens for 1.3x; k = 2 would cross saturation.
-    assert _cuda_budget([0.9] * 4).choose(64) == BudgetChoice(1, "on")
+    # Batch 16 on a GPU: 16 (1 + k) tokens stay under saturation for every k here, so a drafting step costs the
+    # overhead, 1.3 + 15 x 0.015 = 1.525x. Drafts found for half the requests and right 40% of the time give at
+    # most 1.33 tokens per step: a loss.
+    assert _cuda_budget([0.4] * 4, hit_rate=0.5).choose(16) == BudgetChoice(0, "acceptance")
+    # Found for every request and right 90% of the time: 4.1 tokens for 1.525x at k = 4.
+    assert _cuda_budget([0.9] * 4).choose(16) == BudgetChoice(4, "on")
     # Without the overhead the first case would look like a gain.
-    assert _budget_with([0.4] * 4, hit_rate=0.5, saturation_tokens=128, min_gain=1.05).choose(64).num_draft_tokens > 0
+    assert _budget_with([0.4] * 4, hit_rate=0.5, saturation_tokens=128, min_gain=1.05).choose(16).num_draft_tokens > 0
+
+
+def test_the_exposed_host_work_of_a_large_batch_rules_drafts_out():
+    # Batch 64 on a GPU: a synchronous verify step costs 1.3 + 63 x 0.015 = 2.25x the asynchronous decode step
+    # (the H200 measured 2.24x), so not even drafts that are always right can pay; at batch 1 the per-request
+    # term adds nothing.
+    b = _cuda_budget([1.0] * 4)
+    assert b.relative_cost(64, 1, 1.0) == pytest.approx(2.245)
+    assert b.choose(64) == BudgetChoice(0, "batch size")
+    assert b.relative_cost(1, 4, 1.0) == pytest.approx(1.3)
+    assert b.choose(1) == BudgetChoice(4, "on")
 
 
 def test_a_proposer_that_finds_no_drafts_turns_speculation_off():
