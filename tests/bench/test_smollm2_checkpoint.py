@@ -19,13 +19,8 @@ TASKS = ["Repeat this sentence word for word: the committee met on Tuesday to re
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    from kvserve.model.default_model import find_default_gguf
-
-    try:
-        return find_default_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
+def gguf(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,8 @@ from kvserve.model.default_model import (
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return find_default_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
+def gguf_path(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

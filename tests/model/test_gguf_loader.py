@@ -13,18 +13,9 @@ from kvserve.model.gguf_loader import (
 )
 
 
-def _default_gguf_or_skip():
-    from kvserve.model.default_model import find_default_gguf
-
-    try:
-        return find_default_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
-
-
 @pytest.fixture(scope="module")
-def gguf_path():
-    return _default_gguf_or_skip()
+def gguf_path(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
