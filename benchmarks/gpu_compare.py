@@ -1,6 +1,7 @@
 """kvserve against vLLM 0.26.0 on one GPU machine, every row of the quantization / long-context table:
 W1 and batch-1 in bf16, with `--quantization fp8` and with AWQ int4; W2 (long context); time to first token of
-an 8,192-token prompt; batch-1 decode after an 8,192-token prompt. Same dummy Llama-3.1-8B-shaped model, same
+an 8,192-token prompt; batch-1 decode after an 8,192-token prompt; online serving at 256 streams (output
+tok/s and p99 TTFT, both servers driven by `vllm bench serve`). Same dummy Llama-3.1-8B-shaped model, same
 requests, greedy, EOS ignored, best of `--passes` with the prefix cache reset before each.
 
 Each part is one device command of under 10 minutes, on the same warm machine (results accumulate in
@@ -10,6 +11,7 @@ Each part is one device command of under 10 minutes, on the same warm machine (r
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part vllm-a    # vLLM bf16 + fp8, ~5 min
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part vllm-b    # vLLM AWQ + W2, ~6 min
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part kvserve --commit COMMIT  # ~6 min
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_compare.py --part online   # both servers, ~6 min
     python3 benchmarks/gpu_compare.py --part table --results DIR [DIR ...]   # here, from the $OUT folders
 
 vLLM runs as the bundle's own `vllm_bench.py` (run, not copied: W1 = its make_workload(), batch-1 = its
@@ -111,6 +113,34 @@ def run_vllm(part: str, args) -> None:
         produced = os.path.join(args.results, f"vllm_bench_{tag}.json")
         if os.environ.get("OUT") and os.path.exists(produced):
             shutil.copy(produced, os.environ["OUT"])
+
+
+def run_online(args) -> None:
+    """The online row: the bundle's serve_bench.sh (run as shipped) serves the same dummy W1 model with `vllm
+    serve` and then `kvserve serve` (this tree), each driven by vLLM's `vllm bench serve` client with the same
+    arguments (512 random prompts of 512 tokens, 256 output tokens, 256 concurrent streams); their result files
+    are kept as online_serve.json."""
+    script = os.path.join(args.bundle, "serve_bench.sh")
+    if not os.path.exists(script):
+        raise SystemExit(f"vLLM bundle not ready: need {script}")
+    out = os.path.join(args.results, "online")
+    os.makedirs(out, exist_ok=True)
+    env = {**os.environ, "OUT": out, "KVSERVE_PATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    t = time.perf_counter()
+    proc = subprocess.run(["bash", script], env=env, check=False)
+    print(f"== serve_bench.sh: rc {proc.returncode} after {time.perf_counter() - t:.0f} s", flush=True)
+    results = {}
+    for engine in ("vllm", "kvserve"):
+        path = os.path.join(out, f"{engine}_serve.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                r = json.load(f)
+            results[engine] = {key: r.get(key) for key in ("output_throughput", "p99_ttft_ms", "median_ttft_ms",
+                                                           "p99_tpot_ms", "completed", "num_prompts", "duration")}
+        else:
+            results[engine] = {"error": f"no {engine}_serve.json (see {engine}_serve.log)"}
+    results["kvserve_commit"] = args.commit
+    save(args.results, "online_serve.json", results)
 
 
 def kernel_profile(llm, reqs, label: str, top: int = 12) -> dict:
@@ -263,6 +293,12 @@ def load(dirs: list[str]) -> tuple[dict, dict]:
         for path in glob.glob(os.path.join(d, "vllm_bench_*.json")):
             with open(path) as f:
                 vllm[os.path.basename(path)[len("vllm_bench_"):-len(".json")]] = json.load(f)
+        path = os.path.join(d, "online_serve.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                online = json.load(f)
+            vllm["online"] = online.get("vllm", {})
+            ours["online"] = online.get("kvserve", {})
     return ours, vllm
 
 
@@ -288,6 +324,9 @@ def table_rows(ours: dict, vllm: dict) -> list[tuple[str, float | None, float | 
          False),
         ("batch-1 decode at 8,192 tokens of context, tok/s", v("w2", "bs1_out_tok_per_s"),
          k("w2", "batch1_8k", "output_tok_s"), True),
+        ("online, 256 streams (`vllm bench serve`), output tok/s", v("online", "output_throughput"),
+         k("online", None, "output_throughput"), True),
+        ("online, 256 streams, p99 TTFT ms", v("online", "p99_ttft_ms"), k("online", None, "p99_ttft_ms"), False),
     ]
 
 
@@ -332,7 +371,7 @@ def git_commit() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", required=True, choices=["vllm-a", "vllm-b", "kvserve", "table"])
+    ap.add_argument("--part", required=True, choices=["vllm-a", "vllm-b", "kvserve", "online", "table"])
     ap.add_argument("--results", nargs="+", default=[RESULTS],
                     help="where results accumulate (the first); `table` reads all of them")
     ap.add_argument("--bundle", default=".vllm", help="the folder holding the vLLM bundle's vllm_bench.py")
@@ -354,6 +393,8 @@ def main():
         run_vllm(args.part, args)
     elif args.part == "kvserve":
         run_kvserve_part(args)
+    elif args.part == "online":
+        run_online(args)
     print_table(dirs)
 
 

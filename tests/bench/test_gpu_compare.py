@@ -67,3 +67,33 @@ def test_ab_knobs_set_and_restore_module_and_class_attributes():
     assert read() == (*fuse.values(), *long_min.values()) != original
     gpu_compare.set_attributes(restore)
     assert read() == original
+
+
+def test_online_part_keeps_both_servers_results_and_the_table_shows_them(tmp_path, capsys, monkeypatch):
+    # A stand-in for the bundle's serve_bench.sh: it writes what `vllm bench serve --save-result` writes.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "serve_bench.sh").write_text(
+        'echo \'{"output_throughput": 9000.0, "p99_ttft_ms": 3400.0, "completed": 512}\' > "$OUT/vllm_serve.json"\n'
+        'echo \'{"output_throughput": 9900.0, "p99_ttft_ms": 3740.0, "completed": 512}\' > "$OUT/kvserve_serve.json"\n')
+    monkeypatch.delenv("OUT", raising=False)
+    args = type("Args", (), {"bundle": str(bundle), "results": str(tmp_path / "r"), "commit": "abc1234"})()
+    gpu_compare.run_online(args)
+    saved = json.loads((tmp_path / "r" / "online_serve.json").read_text())
+    assert saved["vllm"]["output_throughput"] == 9000.0 and saved["kvserve"]["p99_ttft_ms"] == 3740.0
+    gpu_compare.print_table([str(tmp_path / "r")])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ")}
+    assert rows["online, 256 streams (`vllm bench serve`), output tok/s"].endswith("| 1.10x |")
+    assert rows["online, 256 streams, p99 TTFT ms"].endswith("| 0.91x |")  # lower is better: vLLM / kvserve
+
+
+def test_online_part_reports_a_server_that_wrote_nothing(tmp_path, monkeypatch):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "serve_bench.sh").write_text('echo \'{"output_throughput": 9000.0}\' > "$OUT/vllm_serve.json"\n')
+    monkeypatch.delenv("OUT", raising=False)
+    args = type("Args", (), {"bundle": str(bundle), "results": str(tmp_path / "r"), "commit": "abc1234"})()
+    gpu_compare.run_online(args)
+    saved = json.loads((tmp_path / "r" / "online_serve.json").read_text())
+    assert "error" in saved["kvserve"] and saved["vllm"]["output_throughput"] == 9000.0
