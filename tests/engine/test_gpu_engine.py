@@ -174,3 +174,26 @@ def test_fp8_fused_activation_quantization_same_tokens(tiny_llama_dir, monkeypat
     fused = _kvserve(path, prompts, "bfloat16", quantization="fp8", skip_tokenizer_init=True)
     monkeypatch.setattr(fp8, "FUSE_ACTIVATION_QUANT", False)
     assert fused == _kvserve(path, prompts, "bfloat16", quantization="fp8", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("shutdown", [False, True])
+def test_an_engine_dropped_gives_its_device_memory_back(tiny_llama_dir, shutdown):
+    """A notebook or a script that builds a second engine after dropping the first gets the whole device
+    again: nothing of the first (KV cache, CUDA graphs and their pool, buffers) stays allocated."""
+    from kvserve import LLM, SamplingParams
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()  # what this process's allocator holds from the device
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=GPU_TEST_MEMORY_UTILIZATION,
+              skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(4, 32000, seed=11)],
+                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    held = torch.cuda.memory_reserved() - before
+    if shutdown:
+        llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_reserved() - before  # a graph pool still referenced cannot be released
+    assert held > 1 << 30 and left < 64 << 20, (held, left)
