@@ -24,8 +24,8 @@ SATURATION_TOKENS = {"cuda": 128, "cpu": 8}
 # (BENCHMARKS.md, speculative decoding). CPU steps are synchronous with or without drafts.
 VERIFY_OVERHEAD = {"cuda": 1.3, "cpu": 1.0}
 # What each request beyond the first adds to that overhead: a synchronous step exposes the host's work for
-# the batch, which an asynchronous decode step hides behind the GPU. The same H200 measures a batch-64 verify
-# step at 2.24x its decode step (k = 1, every draft right). CPU steps hide nothing either way.
+# the batch, which an asynchronous decode step hides behind the GPU; from the same H200's verify step at batch
+# 64 (BENCHMARKS.md, speculative decoding: gpu_spec.py part b). CPU steps hide nothing either way.
 VERIFY_OVERHEAD_PER_REQUEST = {"cuda": 0.015, "cpu": 0.0}
 # Gain a step with drafts must promise beyond its modelled cost (the model is an estimate).
 MIN_GAIN = {"cuda": 1.05, "cpu": 1.03}
