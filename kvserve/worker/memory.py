@@ -12,6 +12,7 @@ start of those phases (load_weights, profile, kv_cache, cuda_graphs) or, for "st
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 
@@ -173,6 +174,10 @@ class StartupMemory:
         self.config = config
         self.on_gpu = config.device == "cuda"
         if self.on_gpu:
+            # An engine dropped earlier in this process may still wait for the collector (it is partly a cycle):
+            # its memory is freed now rather than counted as held by others.
+            gc.collect()
+            torch.cuda.empty_cache()
             self.free_at_start, self.total = torch.cuda.mem_get_info()
             self.allocated_at_start = torch.cuda.memory_allocated()
             self.reserved_at_start = torch.cuda.memory_reserved()
