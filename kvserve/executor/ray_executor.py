@@ -26,6 +26,7 @@ class RayWorkerActor:
     def __init__(self, config, rank: int, output_rank: int):
         self.config, self.rank, self.output_rank = config, rank, output_rank
         self.worker = None
+        self._deferred = None  # the step launched with grammar_bitmask_deferred, until its mask arrives
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -53,10 +54,23 @@ class RayWorkerActor:
 
     def execute(self, msg):
         pending = self.worker.execute_model(msg)
+        if msg.grammar_bitmask_deferred:  # the forward is queued; the step's tokens come from sample_deferred
+            self._deferred = pending
+            return None
+        return pending.result() if self.rank == self.output_rank else None
+
+    def sample_deferred(self, bitmask, mask_row: dict[str, int]):
+        """The mask of the step `execute` left waiting: every rank applies it and samples (each keeps its sampled
+        ids for the next step's inputs); the output rank returns the step's tokens."""
+        pending, self._deferred = self._deferred, None
+        self.worker.sample_deferred(bitmask, mask_row)
         return pending.result() if self.rank == self.output_rank else None
 
 
 class _PendingStep:
+    """A launched step: `refs` are the actors' execute calls, or for a step whose grammar mask was deferred,
+    their sample_deferred calls once send_grammar_bitmask has made them (always before the result is read)."""
+
     def __init__(self, executor: RayExecutor, refs: list):
         self.executor, self.refs = executor, refs
         self._value = None
@@ -84,6 +98,7 @@ class RayExecutor(Executor):
         self.world_size = world = args.world_size
         self.output_rank = world - args.tensor_parallel_size
         self._dead: str | None = None
+        self._awaiting_mask: _PendingStep | None = None  # launched with grammar_bitmask_deferred, mask not yet sent
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             address = os.environ.get("RAY_ADDRESS")
@@ -155,7 +170,22 @@ class RayExecutor(Executor):
         if self._dead:
             raise ExecutorDeadError(self._dead)
         msg = self._ray.put(sched_out.message)  # serialized once for every actor
-        return _PendingStep(self, [a.execute.remote(msg) for a in self.actors])
+        launched = [a.execute.remote(msg) for a in self.actors]
+        if not sched_out.message.grammar_bitmask_deferred:
+            return _PendingStep(self, launched)
+        # An actor runs its calls in order, so sample_deferred follows the forward it samples; a failure of the
+        # launch shows in that later call's result.
+        self._awaiting_mask = _PendingStep(self, launched)
+        return self._awaiting_mask
+
+    defers_grammar_bitmask = True
+
+    def send_grammar_bitmask(self, bitmask, mask_row: dict[str, int]) -> None:
+        step, self._awaiting_mask = self._awaiting_mask, None
+        if step is None:
+            raise RuntimeError("a grammar bitmask arrived for no step waiting for one")
+        mask = self._ray.put(bitmask)  # serialized once for every actor
+        step.refs = [a.sample_deferred.remote(mask, mask_row) for a in self.actors]
 
     def check_health(self) -> None:
         if self._dead:

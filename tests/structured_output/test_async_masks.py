@@ -1,6 +1,6 @@
 """Async scheduling with constrained requests: the mask for step N+1 is filled once step N's tokens are in,
 while N+1's forward runs, so a constrained request advances one token every step (not every other step),
-and its tokens are those of async scheduling off, with the uni and the mp executor."""
+and its tokens are those of async scheduling off, with the uni, the mp and the ray executor."""
 
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ def _run(llm) -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
             {index[k]: v for k, v in finish.items()})
 
 
-@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("executor", ["uni", "mp", "ray"])
 def test_constrained_requests_advance_every_step_with_async_scheduling(llama, executor):
+    if executor == "ray":
+        pytest.importorskip("ray")
     results = {}
     for async_scheduling in (False, True):
         llm = LLM(llama[0], max_model_len=256, kv_cache_memory_bytes=32 << 20, async_scheduling=async_scheduling,
