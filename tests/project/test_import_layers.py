@@ -2,7 +2,7 @@
 modules' top-level imports have no cycle. Layers, bottom up (a layer may import its own and lower ones):
 
   0  core (pure Python), units, sizing, sampling_params, request_limits (the request validator),
-     speculative_config, outputs, inputs, background,
+     speculative_config, outputs, inputs, background, gc_tuning,
      log_safety, child_signals, structured_output (grammars and matchers: sampling_params holds its params,
      the worker applies its bitmask, the engine owns its matchers; of kvserve it imports request_limits only)
   1  distributed, ops (kernels)
@@ -26,7 +26,7 @@ import kvserve
 
 LAYERS = {
     "core": 0, "units": 0, "sizing": 0, "sampling_params": 0, "outputs": 0, "inputs": 0, "background": 0,
-    "log_safety": 0, "child_signals": 0, "speculative_config": 0, "structured_output": 0, "request_limits": 0,
+    "gc_tuning": 0, "log_safety": 0, "child_signals": 0, "speculative_config": 0, "structured_output": 0, "request_limits": 0,
     "distributed": 1, "ops": 1,
     "model": 2,
     "config": 3,
