@@ -30,12 +30,13 @@ structured_outputs_config only, not from the request). The 256 W1 prompts, greed
    (the schema bounds every string and array, so every output closes well inside max_tokens);
 2. kvserve without it, on the same engine, each request given exactly the output length it had in 1
    (ignore_eos): the same batch shapes, so the ratio is the constraint's cost alone;
-3. vLLM 0.26.0 with the same schema, the same warm-up and REPEATS runs (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
-   xgrammar, the same model directory), in a subprocess started after kvserve's engine is freed, so each
-   engine has the GPU to itself.
+3. vLLM 0.26.0 with the same schema, the same warm-up and REPEATS runs
+   (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`, xgrammar, the same model
+   directory), in a subprocess started after kvserve's engine is freed, so each engine has the GPU to itself.
 Every constrained output of both engines is checked with jsonschema. Printed: output tok/s of the three (the
-faster of each kind's runs, and every run), each run's output lengths, the ratios against the targets (constrained >= 0.95x unconstrained kvserve; kvserve
-constrained >= vLLM constrained), kvserve's per-step host time filling the bitmask
+faster of each kind's runs, and every run), each run's output lengths, the ratios against the targets
+(constrained >= 0.95x unconstrained kvserve; kvserve constrained >= vLLM constrained), kvserve's per-step host
+time filling the bitmask
 (StructuredOutputManager.grammar_bitmask; under async scheduling it runs while the next step's forward is on
 the GPU) and the GPU time of one bitmask apply on [256, vocab] logits. The table is printed last; results go
 to DIR/gpu_structured.json. `--profile` adds the host's time per step phase and the GPU's busy time per step

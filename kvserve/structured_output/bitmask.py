@@ -21,8 +21,9 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
                         mask_rows: list[int] | None = None) -> None:
     """Sets to -inf, in place, each disallowed token of logits[rows[i]] per bitmask[mask_rows[i]] (without
-    mask_rows: bitmask[i], one bitmask row per entry of rows). On CUDA the compact bitmask crosses to the device once (pinned by its maker where
-    it can be) and is gathered and scattered there, so the host's part stays small at any batch size."""
+    mask_rows: bitmask[i], one bitmask row per entry of rows). On CUDA the compact bitmask crosses to the
+    device once (pinned by its maker where it can be) and is gathered and scattered there, so the host's part
+    stays small at any batch size."""
     if not rows:
         return
     if logits.is_cuda:

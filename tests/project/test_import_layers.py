@@ -26,7 +26,8 @@ import kvserve
 
 LAYERS = {
     "core": 0, "units": 0, "sizing": 0, "sampling_params": 0, "outputs": 0, "inputs": 0, "background": 0,
-    "gc_tuning": 0, "log_safety": 0, "child_signals": 0, "speculative_config": 0, "structured_output": 0, "request_limits": 0,
+    "gc_tuning": 0, "log_safety": 0, "child_signals": 0, "speculative_config": 0, "structured_output": 0,
+    "request_limits": 0,
     "distributed": 1, "ops": 1,
     "model": 2,
     "config": 3,

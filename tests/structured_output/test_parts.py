@@ -86,7 +86,8 @@ def _row_mapped_reference(logits, bitmask, rows, mask_rows):
 ])
 def test_bitmask_apply_maps_rows(compiler, device, rows, mask_rows):
     grammar = compiler.compile(StructuredOutputsParams(regex="(ab|x)[0-9]+"))
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-VOCAB // 32)), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-VOCAB // 32)), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(0))
     grammar.new_matcher().fill_bitmask(bitmask, 0)
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
     ref = _row_mapped_reference(logits, bitmask, rows, mask_rows or list(range(len(rows))))
