@@ -21,13 +21,15 @@ prepare)
   mkdir -p "$(dirname "$exclude")"
   for d in /.whl/ /.smol/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
   mkdir -p .whl .smol
-  # gguf (the SmolLM2 tests), and xgrammar with what it and the structured-output tests import (pydantic,
-  # jsonschema), at the versions installed here, without their torch/transformers/numpy (the image has them).
+  # gguf (the SmolLM2 tests), and xgrammar and llguidance (the grammar compiler warms up both) with what they
+  # and the structured-output tests import (pydantic, jsonschema), at the versions installed here, without
+  # their torch/transformers/numpy (the image has them).
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(python3 -c '
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl $(python3 -c '
 import importlib.metadata as m
-names = ["gguf", "xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-         "jsonschema", "attrs", "jsonschema-specifications", "referencing", "rpds-py"]
+names = ["gguf", "xgrammar", "llguidance", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types",
+         "typing-inspection", "jsonschema", "attrs", "jsonschema-specifications", "referencing", "rpds-py"]
 print(" ".join(f"{n}=={m.version(n)}" for n in names))')
   gguf_file=$(python3 -c 'from kvserve.model.default_model import find_default_gguf; print(find_default_gguf())')
   split -b 48M -d -a 1 "$gguf_file" .smol/part

@@ -2,7 +2,9 @@
 of the W1 model (Llama-3.1-8B shape, dummy bf16 weights). Prints the top kernels and, per step, GPU
 busy time against wall time (the gap is host overhead and launch latency).
 
-    PYTHONUNBUFFERED=1 python benchmarks/profile_steps.py
+    PYTHONUNBUFFERED=1 python benchmarks/profile_steps.py [--model moe] [--quantization fp8]
+
+`--model moe` profiles the Qwen3-30B-A3B-shaped model of benchmarks/gpu_moe.py instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def run(llm, prompts, max_tokens, label):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts):
         engine.add_request(f"{label}-{i}", {"prompt_token_ids": p}, params)
-    while engine.scheduler.running == [] or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    sched = engine.scheduler
+    while not sched.running or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or sched.waiting:
         engine.step()  # prefill out of the way
     for _ in range(3):
         engine.step()
@@ -45,13 +48,24 @@ def run(llm, prompts, max_tokens, label):
 
 
 def main():
+    import argparse
+
     from kvserve import LLM
 
-    llm = LLM(write_config(W1_CONFIG), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["w1", "moe"], default="w1")
+    ap.add_argument("--quantization", default=None)
+    args = ap.parse_args()
+    if args.model == "moe":
+        from benchmarks.gpu_moe import QWEN3_30B_A3B as config
+    else:
+        config = W1_CONFIG
+    llm = LLM(write_config(config), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, quantization=args.quantization)
     rng = random.Random(1)
     b1 = run(llm, [[rng.randint(100, 119999) for _ in range(128)]], 64, "batch1")
-    b256 = run(llm, [[rng.randint(100, 119999) for _ in range(rng.randint(100, 1024))] for _ in range(256)], 40, "batch256")
+    prompts = [[rng.randint(100, 119999) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    b256 = run(llm, prompts, 40, "batch256")
     print("\n| step | wall ms | GPU busy ms | host/idle share |\n|---|---|---|---|")
     for name, (wall, gpu) in (("batch-1 decode", b1), ("batch-256 decode", b256)):
         print(f"| {name} | {wall * 1e3:.2f} | {gpu * 1e3:.2f} | {max(0.0, 1 - gpu / wall):.0%} |")

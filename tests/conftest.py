@@ -94,10 +94,10 @@ WINDOW = 24  # the tiny windowed models' sliding window
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
-    from kvserve.model.default_model import find_default_gguf, load_tokenizer
+def smol_tokenizer(smollm2_gguf):
+    from kvserve.model.default_model import load_tokenizer
 
-    return load_tokenizer(find_default_gguf())
+    return load_tokenizer(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
