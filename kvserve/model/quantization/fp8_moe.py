@@ -2,20 +2,17 @@
 are quantized at load with per-output-channel scales, as fp8.py quantizes a linear layer's weight.
 
 How the Triton grouped GEMM (kvserve/ops/fused_moe.py) multiplies them is chosen from the step's token count
-alone (no host syncs: the choice is fixed inside a CUDA graph). The whole rule is FP8_MOE_PATHS:
+alone (no host syncs: the choice is fixed inside a CUDA graph). The whole rule is FP8_MOE_PATHS, whose kernels are:
 
-* "w8a16" (decode): weight-only; the kernel converts the e4m3 weight tiles to the activation dtype. At a few
-  tokens the layer is bound by reading the experts' weights, the same fp8 bytes on both paths, so W8A8's extra
-  pass (quantizing x) and its rounding of the activations buy nothing.
+* "w8a16": weight-only; the kernel converts the e4m3 weight tiles to the activation dtype.
 * "w8a8": the activations quantized per token (per pair for the down projection, inside SiLU-and-mul) and
   e4m3 x e4m3 on the FP8 tensor cores, twice the bf16 MMA rate.
+On the H200 W8A8 was the faster at every token count from 1 to 8,192 (`benchmarks/gpu_moe.py --sweep` times
+both; BENCHMARKS.md, 2026-12-02, fifth run): even at one token, where both read the same fp8 bytes, converting
+each weight tile costs more than quantizing x once. So the table is W8A8 throughout, as vLLM's fp8 experts are.
 W8A8 needs FP8 tensor cores (compute capability >= 8.9; fp8.cuda_has_fp8); older GPUs stay weight-only at every
 size. Triton's interpreter (TRITON_INTERPRET=1, CPU) runs the fp8 tl.dot exactly, so it follows the table too;
 the plain CPU reference path (fused_moe_torch) is weight-only, as the dense FP8 layers are on CPU.
-
-The threshold is a first choice (the dense FP8 layers' W8A16 bucket, fp8_matmul.FP8_PATHS, also ends at 16
-rows), not yet measured for experts: `benchmarks/gpu_moe.py` times both paths at every token count and prints
-the table its measurements suggest.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ class Fp8MoEPath(NamedTuple):
 
 
 FP8_MOE_PATHS: tuple[Fp8MoEPath, ...] = (
-    Fp8MoEPath(16, "w8a16"),
     Fp8MoEPath(1 << 62, "w8a8"),
 )
 
