@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from benchmarks.gpu_w1 import (add_w1_run_args, batch1_request, greedy, hf_bf16_reference, run_kvserve, splits_against_hf, w1_requests,
-                               write_config)
+from benchmarks.gpu_w1 import (add_w1_run_args, batch1_request, greedy, hf_bf16_reference, run_kvserve,
+                               splits_against_hf, w1_requests, write_config)
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
@@ -233,10 +233,20 @@ def parity(results: dict) -> bool:
 
 
 # ---- 3. engine ------------------------------------------------------------------------------------
-def engine(results: dict, num_requests: int, quantization: str | None, args) -> None:
+def previous_paths() -> dict:
+    """--previous: the path this tree replaced (fp8 experts weight-only up to 16 tokens), set for a second run of
+    each engine configuration in the same command (a ratio against our own previous path)."""
+    from kvserve.model.quantization.fp8_moe import Fp8MoEPath
+
+    return {"kvserve.model.quantization.fp8_moe.FP8_MOE_PATHS": (Fp8MoEPath(16, "w8a16"), Fp8MoEPath(1 << 62, "w8a8"))}
+
+
+def engine(results: dict, num_requests: int, quantization: str | None, args, previous: bool = False) -> None:
+    from benchmarks.gpu_compare import set_attributes
     from kvserve import LLM
 
-    label = quantization or "bf16"
+    label = (quantization or "bf16") + ("_previous" if previous else "")
+    restore = set_attributes(previous_paths() if previous else {})
     path = write_config(QWEN3_30B_A3B)
     t = time.perf_counter()
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
@@ -251,6 +261,7 @@ def engine(results: dict, num_requests: int, quantization: str | None, args) -> 
     llm.llm_engine.shutdown()
     del llm
     release()
+    set_attributes(restore)
 
 
 def load_vllm(directory: str | None) -> dict:
@@ -273,6 +284,9 @@ def main():
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--configs", default="bf16,fp8", help="engine configurations to run, comma-separated")
+    ap.add_argument("--previous", action="store_true", help="also run each engine configuration on the previous "
+                                                             "paths (previous_paths) for a same-command ratio")
     ap.add_argument("--vllm-dir", help="where vLLM's runs of the same shape left vllm_bench_moe_bf16.json and "
                                        "vllm_bench_moe_fp8.json (the bundle's vllm_bench.py --shape qwen3-30b-a3b "
                                        "--tag _moe_bf16, and --extra '{\"quantization\": \"fp8\"}' --tag _moe_fp8)")
@@ -286,7 +300,9 @@ def main():
     if not args.skip_parity:
         checks["parity"] = parity(results)
     if not args.skip_engine:
-        for quantization in (None, "fp8"):
+        for quantization in [None if q == "bf16" else q for q in args.configs.split(",")]:
+            if args.previous:
+                engine(results, args.num_requests, quantization, args, previous=True)
             engine(results, args.num_requests, quantization, args)
     vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
@@ -329,6 +345,15 @@ def main():
                       f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "not run | -")
             print(f"| {label} | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | "
                   f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} | {versus} |")
+    for label in ("bf16", "fp8"):
+        if f"{label}_previous_w1" in results and f"{label}_w1" in results:
+            now, before = (results[f"{label}_{k}"] for k in ("w1", "previous_w1"))
+            now_b1, before_b1 = (results[f"{label}_{k}"] for k in ("batch1", "previous_batch1"))
+            ratio = {"w1": now["output_tok_s"] / before["output_tok_s"],
+                     "batch1": now_b1["output_tok_s"] / before_b1["output_tok_s"]}
+            print(f"| {label}, previous paths (this command) | {results[f'{label}_previous_w1']['output_tok_s']} | "
+                  f"{results[f'{label}_previous_batch1']['output_tok_s']} | | | now / previous: W1 {ratio['w1']:.3f}x, "
+                  f"batch-1 {ratio['batch1']:.3f}x |")
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")
     raise SystemExit(0 if ok else 1)
