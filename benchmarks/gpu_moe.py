@@ -234,11 +234,10 @@ def parity(results: dict) -> bool:
 
 # ---- 3. engine ------------------------------------------------------------------------------------
 def previous_paths() -> dict:
-    """--previous: the path this tree replaced (fp8 experts weight-only up to 16 tokens), set for a second run of
-    each engine configuration in the same command (a ratio against our own previous path)."""
-    from kvserve.model.quantization.fp8_moe import Fp8MoEPath
-
-    return {"kvserve.model.quantization.fp8_moe.FP8_MOE_PATHS": (Fp8MoEPath(16, "w8a16"), Fp8MoEPath(1 << 62, "w8a8"))}
+    """--previous: the path this tree replaced (the router's softmax / top-k / renormalisation as separate torch
+    kernels), set for a second run of each engine configuration in the same command (a ratio against our own
+    previous path)."""
+    return {"kvserve.model.moe.FUSED_ROUTING": False}
 
 
 def engine(results: dict, num_requests: int, quantization: str | None, args, previous: bool = False) -> None:

@@ -24,9 +24,22 @@ from kvserve.model.model_config import ModelConfig
 from kvserve.ops.fused_moe import SILU, ExpertActivation
 
 
+# The router's softmax / top-k / renormalisation in one Triton launch where the fused kernels run.
+FUSED_ROUTING = True
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, kind: str = "softmax_topk"):
     """(weights float32 [T, k], expert ids [T, k]): softmax in fp32, then top-k, as HF's routers compute them;
     kind "topk_softmax" (gpt-oss): the top-k logits, then a softmax over those k."""
+    if FUSED_ROUTING and use_fused_kernels(router_logits):
+        from kvserve.ops.moe_routing import select_experts_triton
+
+        return select_experts_triton(router_logits, top_k, renormalize, kind)
+    return select_experts_torch(router_logits, top_k, renormalize, kind)
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool, kind: str = "softmax_topk"):
+    """select_experts in torch ops (the CPU path and the fused kernel's reference)."""
     if kind == "topk_softmax":
         values, ids = torch.topk(router_logits, top_k, dim=-1)
         return torch.softmax(values, dim=-1).float(), ids
