@@ -209,13 +209,22 @@ def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: 
     return sorted_pairs, block_expert, num_rows
 
 
+# Steps of up to this many (token, k) pairs skip the sort: each pair is its own block (PER_PAIR).
+PER_PAIR_MAX_PAIRS = 32
+
+
 def _gemm_config(pairs: int, num_experts: int) -> dict:
-    """Tile sizes by rows per expert: small (decode) steps take short row blocks, so padding costs little."""
+    """Tile sizes by rows per expert: small (decode) steps take short row blocks, so padding costs little.
+    PER_PAIR: one program per (pair, block of N) reads its pair's expert straight from the routing ids, with no
+    sort and no launch for it; a weight tile that two pairs share is read twice (from L2 when both programs
+    run at once, which the launch order arranges), so it serves only steps with few pairs."""
+    if pairs <= PER_PAIR_MAX_PAIRS:
+        return dict(PER_PAIR=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if pairs <= num_experts * 4:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(PER_PAIR=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
     if pairs <= num_experts * 32:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(PER_PAIR=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)
+    return dict(PER_PAIR=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 _kernel = None
@@ -234,27 +243,41 @@ def _get_kernel():
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_se, stride_sn, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PER_PAIR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
         """C[pair, :] = (A[row of pair] @ B[expert]^T (* a_scale[row] * scale) (+ bias[expert])) (* routing
         weight), one block of sorted pairs (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs
         share a token's row of x (the gate_up GEMM), or each pair has its own row (the down GEMM reads the
-        activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row."""
+        activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row.
+        PER_PAIR: no sorted layout; program (block of N, pair) computes that one pair's row (row 0 of its
+        BLOCK_M), its expert read from block_expert_ptr, which then holds the routing ids, one per pair."""
         pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(capacity, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped ordering: GROUP_M row blocks share each B tile while it is in L2.
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % group_m)
-        pid_n = (pid % group) // group_m
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-        pair_mask = pair < num_pairs
+        if PER_PAIR:
+            # The pairs of one block of N run side by side: pairs that share an expert share its tile in L2.
+            pid_n = pid // num_pairs
+            pair_id = pid % num_pairs
+            expert = tl.load(block_expert_ptr + pair_id).to(tl.int64)
+            if expert < 0:  # routed to another rank
+                return
+            offs_row = tl.arange(0, BLOCK_M)
+            pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pair_id
+            pair_mask = offs_row == 0
+        else:
+            num_pid_m = tl.cdiv(capacity, BLOCK_M)
+            num_pid_n = tl.cdiv(N, BLOCK_N)
+            # Grouped ordering: GROUP_M row blocks share each B tile while it is in L2.
+            group = GROUP_M * num_pid_n
+            first_m = (pid // group) * GROUP_M
+            group_m = min(num_pid_m - first_m, GROUP_M)
+            pid_m = first_m + ((pid % group) % group_m)
+            pid_n = (pid % group) // group_m
+            if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+                return
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+            pair_mask = pair < num_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -287,7 +310,8 @@ def _get_kernel():
 
 def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, num_rows, a_rows_per_pair, cfg,
                   a_scale=None):
-    """a_scale: float32 [rows of a, 1] when a holds e4m3 rows (W8A8)."""
+    """a_scale: float32 [rows of a, 1] when a holds e4m3 rows (W8A8). With cfg["PER_PAIR"], block_expert is
+    the routing ids ([pairs], -1: another rank's) and sorted_pairs / num_rows are not read."""
     import triton
 
     num_pairs = c.shape[0]
@@ -295,7 +319,8 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
     capacity = sorted_pairs.numel()
     cfg = dict(cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(capacity, block_m) * triton.cdiv(n, block_n),)
+    blocks_m = num_pairs if cfg["PER_PAIR"] else triton.cdiv(capacity, block_m)
+    grid = (blocks_m * triton.cdiv(n, block_n),)
     scale = b_scale if b_scale is not None else b  # unused without HAS_SCALE
     if bias is not None:
         assert bias.stride(-1) == 1
@@ -329,7 +354,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_experts, inter = w2.shape[0], w2.shape[-1]
     pairs = tokens * top_k
     cfg = _gemm_config(pairs, num_experts)
-    sorted_pairs, block_expert, num_rows = align_block_size_triton(local_ids, num_experts, cfg["BLOCK_M"])
+    if cfg["PER_PAIR"]:
+        ids = local_ids.reshape(-1)
+        sorted_pairs, block_expert, num_rows = ids, ids, ids  # the kernel reads the ids alone
+    else:
+        sorted_pairs, block_expert, num_rows = align_block_size_triton(local_ids, num_experts, cfg["BLOCK_M"])
     # Rows of pairs routed to other ranks are never written: zeros, so the sum below reads nothing stale.
     alloc = torch.empty if all_experts_local else torch.zeros
     gate_up = alloc(pairs, 2 * inter, dtype=x.dtype, device=x.device)

@@ -60,9 +60,21 @@ def _case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
     return x, w13, w2, weights, ids
 
 
-# Token counts that reach each of the three tile configurations (pairs <= 4 E, <= 32 E, more).
+# Token counts that reach each tile configuration: one block per pair (pairs <= PER_PAIR_MAX_PAIRS), then sorted
+# blocks for pairs <= 4 E, <= 32 E, more.
+TILE_CASES = [(1, 8, 2), (13, 8, 2), (70, 8, 2), (300, 8, 2), (9, 16, 4)]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure Python: runs once, in the parent run")
+def test_tile_cases_reach_every_tile_configuration():
+    from kvserve.ops.fused_moe import _gemm_config
+
+    reached = {tuple(sorted(_gemm_config(t * k, e).items())) for t, e, k in TILE_CASES}
+    assert len(reached) == 4 and any(dict(c)["PER_PAIR"] for c in reached)
+
+
 @needs_interpreter
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (13, 8, 2), (70, 8, 2), (300, 8, 2), (9, 16, 4)])
+@pytest.mark.parametrize("tokens,experts,top_k", TILE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_fused_moe_equals_torch_reference(tokens, experts, top_k, dtype):
     from kvserve.ops.fused_moe import fused_moe_triton
@@ -75,8 +87,9 @@ def test_triton_fused_moe_equals_torch_reference(tokens, experts, top_k, dtype):
 
 
 @needs_interpreter
-def test_triton_fused_moe_expert_parallel_rank_sums_only_its_experts():
-    x, w13, w2, weights, ids = _case(21, 8, 2, 32, 32, torch.float32)
+@pytest.mark.parametrize("tokens", [5, 21], ids=["per-pair", "sorted"])
+def test_triton_fused_moe_expert_parallel_rank_sums_only_its_experts(tokens):
+    x, w13, w2, weights, ids = _case(tokens, 8, 2, 32, 32, torch.float32)
     full = fused_moe_torch(x, w13, w2, weights, ids)
     torch.testing.assert_close(_two_expert_parallel_ranks(x, w13, w2, weights, ids), full, atol=1e-5, rtol=1e-5)
 
@@ -145,7 +158,7 @@ W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
     (9, 16, 4, torch.float32), (13, 8, 2, torch.float16), (70, 8, 2, torch.float16),
 ])
 def test_triton_fused_moe_w8a8_equals_w8a8_reference(tokens, experts, top_k, dtype, monkeypatch):
-    """The three tile configurations. x is quantized once per token (not per pair) and the down projection's
+    """Every tile configuration. x is quantized once per token (not per pair) and the down projection's
     input inside SiLU-and-mul (no pass of its own); weight-only math is farther from the W8A8 reference than
     the tolerance by 10x, so the check tells the two paths apart."""
     from kvserve.ops.fused_moe import fused_moe_triton

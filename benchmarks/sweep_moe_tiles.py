@@ -1,0 +1,145 @@
+"""Tile configurations of the fused-MoE grouped GEMM (kvserve/ops/fused_moe.py) on the GPU, each checked first.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/sweep_moe_tiles.py [--out $OUT] [--quick: Qwen3 only]
+
+For the Qwen3-30B-A3B expert shape (128 experts, top-8, hidden 2048, width 768) and Mixtral-8x7B's (8, top-2,
+4096, 14336), bf16 experts and fp8 experts on the W8A8 path, at token counts from a batch-1 decode step to a
+prefill chunk: the whole routed-experts call (sort, both GEMMs, SiLU-and-mul, the sum) timed as CUDA-graph
+replays (median) with
+* "previous": the tile table before one-block-per-pair steps (every step sorted, BLOCK_M 16 up to 4 pairs
+  per expert), the baseline of this command's ratios;
+* "current": `_gemm_config` as it is;
+* every candidate in CANDIDATES that fits the step (one-block-per-pair only up to 64 pairs), each one's output
+  checked against the current configuration's (max |diff| / max |out| < 1e-2; a candidate that fails, or
+  does not compile, is reported and skipped).
+Prints the best candidate per row and its time relative to "previous" and "current", and the expert-weight
+bytes each call reads per second. JSON goes to OUT/sweep_moe_tiles.json; a markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import torch
+
+from benchmarks.gpu_moe import graph_time_ms, rel_err
+
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 2048, 8192)
+
+
+def _cfg(per_pair, m, n, k, g, w, s):
+    return dict(PER_PAIR=per_pair, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
+
+
+CANDIDATES = (
+    [_cfg(True, 16, n, k, 1, w, s) for n, k, w, s in (
+        (16, 128, 2, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 5), (64, 128, 4, 3),
+        (64, 256, 4, 3), (64, 128, 8, 4))]
+    + [_cfg(False, m, n, k, g, w, s) for m, n, k, g, w, s in (
+        (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
+        (32, 64, 64, 4, 4, 3), (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3), (64, 64, 128, 8, 4, 4),
+        (64, 128, 64, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4), (128, 128, 64, 8, 8, 3),
+        (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3))]
+)
+
+
+def previous_config(pairs: int, num_experts: int) -> dict:
+    """The table this tree replaced: sorted blocks at every size."""
+    if pairs <= num_experts * 4:
+        return _cfg(False, 16, 64, 128, 1, 4, 3)
+    if pairs <= num_experts * 32:
+        return _cfg(False, 32, 64, 64, 4, 4, 3)
+    return _cfg(False, 64, 128, 64, 8, 4, 3)
+
+
+def timed_with(config_fn, call) -> tuple[float, torch.Tensor]:
+    from kvserve.ops import fused_moe
+
+    default = fused_moe._gemm_config
+    fused_moe._gemm_config = config_fn
+    try:
+        out = call()
+        return graph_time_ms(call, iters=10), out
+    finally:
+        fused_moe._gemm_config = default
+
+
+def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
+    from kvserve.model.quantization.fp8_moe import _quantize_experts
+    from kvserve.ops import fused_moe
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+        logits = torch.randn(tokens, experts, device="cuda", generator=g)
+        weights, ids = torch.topk(logits.softmax(-1), top_k)
+        hit = int(torch.unique(ids).numel())
+        pairs = tokens * top_k
+        for kind, call in (("bf16", functools.partial(fused_moe_triton, x, w13, w2, weights, ids)),
+                           ("fp8_w8a8", functools.partial(fused_moe_triton, x, q13, q2, weights, ids, s13, s2,
+                                                          quantize_activations=True))):
+            weight_bytes = hit * 3 * hidden * inter * (2 if kind == "bf16" else 1)
+            row = {"shape": label, "tokens": tokens, "kind": kind, "experts_hit": hit}
+            row["previous_ms"], _ = timed_with(previous_config, call)
+            row["current_ms"], ref = timed_with(fused_moe._gemm_config, call)
+            row["current_config"] = fused_moe._gemm_config(pairs, experts)
+            best, failures = None, []
+            for cfg in CANDIDATES:
+                if cfg["PER_PAIR"] and pairs > 64:
+                    continue
+                try:
+                    ms, out = timed_with(lambda p, e, cfg=cfg: cfg, call)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit or compile: say so, go on
+                    failures.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                err = rel_err(out, ref)
+                if not err < 1e-2:
+                    failures.append(f"{cfg}: rel err {err:.4f}")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            row["best_ms"], row["best_config"] = best if best else (None, None)
+            row["failures"] = failures
+            row["best_weight_GBps"] = round(weight_bytes / best[0] / 1e6, 1) if best else None
+            rows.append(row)
+            print("sweep", json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="the Qwen3 shape only")
+    args = ap.parse_args()
+    rows = []
+    for label, shape in SHAPES.items():
+        if args.quick and label != "qwen3-30b-a3b":
+            continue
+        sweep_shape(label, *shape, TOKENS, rows)
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "sweep_moe_tiles.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| shape | tokens | kind | previous ms | current ms | best ms | best / previous | best / current "
+          "| best GB/s | best config |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = r["best_ms"]
+        cfg = r["best_config"] or {}
+        short = ("pair " if cfg.get("PER_PAIR") else "sorted ") + "/".join(
+            str(cfg.get(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"))
+        print(f"| {r['shape']} | {r['tokens']} | {r['kind']} | {r['previous_ms']:.4f} | {r['current_ms']:.4f} | "
+              f"{b and round(b, 4)} | {b and round(b / r['previous_ms'], 3)} | {b and round(b / r['current_ms'], 3)} "
+              f"| {r['best_weight_GBps']} | {short} |")
+
+
+if __name__ == "__main__":
+    main()
