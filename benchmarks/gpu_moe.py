@@ -1,6 +1,6 @@
 """Mixture of experts on the GPU, in one command:
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_moe.py --out $OUT [--num-requests 256] [--sweep]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_moe.py --out $OUT [--num-requests 256]
 
 1. kernel: the Triton fused-MoE (kvserve/ops/fused_moe.py) against the torch reference in fp32 on the same bf16
    inputs, for 1..8192 tokens, at Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048, expert width 768) and
@@ -9,8 +9,8 @@
    reference, and against the fp32 weight-only reference: what quantizing the activations costs); time per call
    (CUDA graph replays, median) next to the torch reference in bf16 (one pair of GEMMs per expert hit) and the
    bytes of expert weights a call reads. From the two fp8 paths' times it prints the weight-only bound for
-   `kvserve/model/quantization/fp8_moe.py`'s FP8_MOE_PATHS that the measurements favour. `--sweep` also times a
-   few tile configurations per size, bf16 and fp8 W8A8 (for tuning `_gemm_config`).
+   `kvserve/model/quantization/fp8_moe.py`'s FP8_MOE_PATHS that the measurements favour. Tile configurations are
+   timed by benchmarks/sweep_moe_tiles.py.
 2. parity: a small random bf16 Qwen3-MoE, kvserve (Triton, CUDA graphs) vs HF transformers greedy on 8 prompts
    (where bf16 rounding splits them, the HF logit margin at the split), and graphs vs --enforce-eager.
 3. engine: a Qwen3-30B-A3B-shaped model (48 layers, 32 heads, 4 KV heads, head_dim 128, 128 experts, 8 per
@@ -44,10 +44,6 @@ QWEN3_30B_A3B = dict(
 )
 SHAPES = {"qwen3-30b-a3b (E128 top8)": (128, 8, 2048, 768), "mixtral-8x7b (E8 top2)": (8, 2, 4096, 14336)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
-         for m, n, k, g, w, s in ((16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 2),
-                                  (32, 64, 128, 4, 4, 3), (64, 64, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3),
-                                  (64, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3))]
 TOLERANCE = 2e-2  # max |triton - reference| / max |reference| for bf16 operands
 # W8A8 against its own reference (the same quantized activations): only sums in another order differ, and
 # with them now and then one e4m3 rounding of an activated element.
@@ -113,16 +109,16 @@ def eager_time_ms(fn, iters: int = 5) -> float:
 
 
 # ---- 1. kernel ------------------------------------------------------------------------------------
-def kernel(results: dict, sweep: bool) -> bool:
+def kernel(results: dict) -> bool:
     ok, rows = True, []
     for label, shape in SHAPES.items():
-        ok &= kernel_shape(label, *shape, sweep, rows)
+        ok &= kernel_shape(label, *shape, rows)
         release()
     results["kernel"] = rows
     return ok
 
 
-def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, sweep: bool, rows: list) -> bool:
+def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, rows: list) -> bool:
     from kvserve.model.quantization.fp8_moe import _quantize_experts
     from kvserve.ops import fused_moe
     from kvserve.ops.fused_moe import fused_moe_torch, fused_moe_triton
@@ -173,23 +169,6 @@ def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, 
             row["align_torch_ms"] = f"not capturable ({str(exc)[:60]})"
         if tokens <= 2048:  # the per-expert loop syncs on the host: eager timing only
             row["torch_bf16_ms"] = round(eager_time_ms(functools.partial(fused_moe_torch, x, w13, w2, weights, ids)), 4)
-        if sweep and tokens in (1, 16, 256, 2048, 8192):
-            for kind, call in (("bf16", functools.partial(fused_moe_triton, x, w13, w2, weights, ids)),
-                               ("fp8_w8a8", functools.partial(fused_moe_triton, x, q13, q2, weights, ids, s13, s2,
-                                                              quantize_activations=True))):
-                default, best = fused_moe._gemm_config, None
-                for cfg in SWEEP:
-                    fused_moe._gemm_config = lambda pairs, e, cfg=cfg: cfg
-                    try:
-                        ms = graph_time_ms(call, iters=10)
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit the GPU's shared memory
-                        print("sweep:", kind, "config", cfg, "failed:", type(exc).__name__, flush=True)
-                        continue
-                    finally:
-                        fused_moe._gemm_config = default
-                    if best is None or ms < best[0]:
-                        best = (round(ms, 4), cfg)
-                row[f"sweep_best_{kind}"] = best
         rows.append(row)
         print("kernel", json.dumps(row), flush=True)
     return ok
@@ -279,7 +258,6 @@ def load_vllm(directory: str | None) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     add_w1_run_args(ap)
-    ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the kernel")
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
@@ -295,7 +273,7 @@ def main():
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     checks = {}
     if not args.skip_kernel:
-        checks["kernel"] = kernel(results, args.sweep)
+        checks["kernel"] = kernel(results)
     if not args.skip_parity:
         checks["parity"] = parity(results)
     if not args.skip_engine:
@@ -316,9 +294,7 @@ def main():
               f"({r['fp8_rel_err']}) | {r['fp8_w8a8_ms']} ({r['fp8_w8a8_rel_err']}; "
               f"{r['fp8_w8a8_err_vs_weight_only_ref']}) | {r['fp8_w8a8_ms'] / r['fp8_ms']:.2f}x | "
               f"{r.get('torch_bf16_ms', '-')} | {r['bf16_weight_GBps']} / {r['fp8_weight_GBps']} / "
-              f"{r['fp8_w8a8_weight_GBps']} | {r['align_triton_ms']} / {r['align_torch_ms']} |"
-              + "".join(f" sweep best {k} {r[f'sweep_best_{k}']}" for k in ("bf16", "fp8_w8a8")
-                        if f"sweep_best_{k}" in r))
+              f"{r['fp8_w8a8_weight_GBps']} | {r['align_triton_ms']} / {r['align_torch_ms']} |")
     if results.get("kernel"):
         from kvserve.model.quantization.fp8_moe import FP8_MOE_PATHS
 

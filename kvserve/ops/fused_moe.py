@@ -209,22 +209,39 @@ def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: 
     return sorted_pairs, block_expert, num_rows
 
 
-# Steps of up to this many (token, k) pairs skip the sort: each pair is its own block (PER_PAIR).
-PER_PAIR_MAX_PAIRS = 32
+# Steps of up to this many (token, k) pairs may skip the sort: each pair is its own block (PER_PAIR).
+PER_PAIR_MAX_PAIRS = 64
 
 
-def _gemm_config(pairs: int, num_experts: int) -> dict:
-    """Tile sizes by rows per expert: small (decode) steps take short row blocks, so padding costs little.
+def _tiles(per_pair, block_m, block_n, block_k, group_m, warps, stages, **down) -> dict:
+    """down: the down projection's own BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages where they differ
+    (its K is the expert width, gate_up's the hidden size); both GEMMs share the row layout."""
+    return dict(PER_PAIR=per_pair, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                num_warps=warps, num_stages=stages, DOWN=down)
+
+
+def _gemm_config(pairs: int, num_experts: int, top_k: int = 1, fp8: bool = False) -> dict:
+    """Tile sizes by rows per expert, measured on the H200 (benchmarks/sweep_moe_tiles.py; BENCHMARKS.md):
+    small (decode) steps take short row blocks, so padding costs little; fp8 (W8A8) tiles are deeper in K.
     PER_PAIR: one program per (pair, block of N) reads its pair's expert straight from the routing ids, with no
-    sort and no launch for it; a weight tile that two pairs share is read twice (from L2 when both programs
-    run at once, which the launch order arranges), so it serves only steps with few pairs."""
-    if pairs <= PER_PAIR_MAX_PAIRS:
-        return dict(PER_PAIR=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    sort and no launch for it. A weight tile that two pairs share is read once per pair (from L2 when both
+    programs run at once, which the launch order arranges), so it serves only steps whose pairs rarely share
+    an expert: a token's own k pairs never do, and at most half as many pairs as experts seldom."""
+    if pairs <= min(PER_PAIR_MAX_PAIRS, max(top_k, num_experts // 2)):
+        return _tiles(True, 16, 32, 128, 1, 2, 5)
     if pairs <= num_experts * 4:
-        return dict(PER_PAIR=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        return _tiles(False, 16, 64, 256, 1, 4, 3) if fp8 else _tiles(False, 16, 64, 128, 1, 4, 3)
     if pairs <= num_experts * 32:
-        return dict(PER_PAIR=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)
-    return dict(PER_PAIR=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        return _tiles(False, 32, 64, 128, 4, 4, 4) if fp8 else _tiles(False, 32, 128, 128, 4, 4, 3)
+    if fp8:
+        return _tiles(False, 64, 128, 128, 8, 8, 4)
+    if pairs <= num_experts * 256:
+        return _tiles(False, 64, 128, 64, 8, 4, 3)
+    return _tiles(False, 128, 256, 64, 8, 8, 3)
+
+
+def _down_config(cfg: dict) -> dict:
+    return {**{k: v for k, v in cfg.items() if k != "DOWN"}, **cfg.get("DOWN", {})}
 
 
 _kernel = None
@@ -317,7 +334,7 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
     num_pairs = c.shape[0]
     n, k = b.shape[1], b.shape[2]
     capacity = sorted_pairs.numel()
-    cfg = dict(cfg)
+    cfg = {k: v for k, v in cfg.items() if k != "DOWN"}
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     blocks_m = num_pairs if cfg["PER_PAIR"] else triton.cdiv(capacity, block_m)
     grid = (blocks_m * triton.cdiv(n, block_n),)
@@ -353,7 +370,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     tokens, top_k = local_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1]
     pairs = tokens * top_k
-    cfg = _gemm_config(pairs, num_experts)
+    cfg = _gemm_config(pairs, num_experts, top_k, fp8=quantize_activations)
     if cfg["PER_PAIR"]:
         ids = local_ids.reshape(-1)
         sorted_pairs, block_expert, num_rows = ids, ids, ids  # the kernel reads the ids alone
@@ -377,6 +394,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             hidden, hidden_scale = fp8_quant.quantize_per_token(hidden)
     down = alloc(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1, cfg,
-                  hidden_scale)
+    _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1,
+                  _down_config(cfg), hidden_scale)
     return down.view(tokens, top_k, -1).sum(dim=1)
