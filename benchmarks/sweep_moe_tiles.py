@@ -9,8 +9,9 @@ replays (median) with
 * "previous": the tile table before one-block-per-pair steps (every step sorted, BLOCK_M 16 up to 4 pairs
   per expert), the baseline of this command's ratios;
 * "current": `_gemm_config` as it is;
-* every candidate in CANDIDATES that fits the step (one-block-per-pair only up to 64 pairs), then the down
-  projection's own tiles (DOWN_CANDIDATES) on the best; each output checked against the current
+* every candidate in CANDIDATES that fits the step (one-block-per-pair only up to 64 pairs; each short row
+  block also with the transposed product, SWAP_AB), then the down projection's own tiles (DOWN_CANDIDATES)
+  on the best; each output checked against the current
   configuration's (|diff| / |out| < 1e-2, Euclidean norms: W8A8 tiles may round an activation to the other
   e4m3 neighbour; a candidate that fails, or does not compile, is reported and skipped).
 Prints the best candidate per row and its time relative to "previous" and "current", and the expert-weight
@@ -36,7 +37,8 @@ TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 2048, 8192)
 CANDIDATES = (
     [_tiles(True, 16, n, k, 1, w, st) for n, k, w, st in (
         (16, 128, 2, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 5), (64, 128, 4, 3),
-        (64, 256, 4, 3), (64, 128, 8, 4), (32, 128, 2, 6), (32, 64, 2, 6))]
+        (64, 256, 4, 3), (64, 128, 8, 4), (32, 128, 2, 6), (32, 64, 2, 6), (128, 128, 4, 3),
+        (128, 64, 4, 4))]
     + [_tiles(False, m, n, k, g, w, st) for m, n, k, g, w, st in (
         (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
         (32, 64, 64, 4, 4, 3), (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3), (32, 64, 256, 4, 4, 3),
@@ -44,10 +46,14 @@ CANDIDATES = (
         (64, 64, 128, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
         (64, 256, 128, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3))]
 )
+# The transposed product (SWAP_AB) where the weight tile can be the MMA's tall side and the row block is short.
+CANDIDATES += tuple({**c, "SWAP_AB": True} for c in CANDIDATES if c["BLOCK_M"] < 64 and c["BLOCK_N"] >= 64)
 # Then the down projection's own tiles, tried on the best row layout found (both GEMMs share it).
-DOWN_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in (
-    (32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-    (128, 128, 4, 4), (256, 64, 8, 3), (32, 256, 4, 3), (64, 128, 8, 5))]
+DOWN_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, SWAP_AB=swap)
+                   for n, k, w, st in ((32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3),
+                                       (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (256, 64, 8, 3),
+                                       (32, 256, 4, 3), (64, 128, 8, 5))
+                   for swap in (False, True) if not swap or n >= 64]
 
 
 def previous_config(pairs: int, num_experts: int, *_, **__) -> dict:
@@ -66,9 +72,10 @@ def norm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def short(cfg: dict) -> str:
     text = ("pair " if cfg.get("PER_PAIR") else "sorted ") + "/".join(
         str(cfg.get(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"))
+    text += " swapped" if cfg.get("SWAP_AB") else ""
     down = cfg.get("DOWN") or {}
     return text + (" down " + "/".join(str(down[k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
-                   if down else "")
+                   + (" swapped" if down.get("SWAP_AB") else "") if down else "")
 
 
 def timed_with(config_fn, call) -> tuple[float, torch.Tensor]:

@@ -213,11 +213,11 @@ def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: 
 PER_PAIR_MAX_PAIRS = 64
 
 
-def _tiles(per_pair, block_m, block_n, block_k, group_m, warps, stages, **down) -> dict:
-    """down: the down projection's own BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages where they differ
-    (its K is the expert width, gate_up's the hidden size); both GEMMs share the row layout."""
-    return dict(PER_PAIR=per_pair, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-                num_warps=warps, num_stages=stages, DOWN=down)
+def _tiles(per_pair, block_m, block_n, block_k, group_m, warps, stages, swap_ab=False, **down) -> dict:
+    """down: the down projection's own BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages / SWAP_AB where
+    they differ (its K is the expert width, gate_up's the hidden size); both GEMMs share the row layout."""
+    return dict(PER_PAIR=per_pair, SWAP_AB=swap_ab, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                GROUP_M=group_m, num_warps=warps, num_stages=stages, DOWN=down)
 
 
 def _gemm_config(pairs: int, num_experts: int, top_k: int = 1, fp8: bool = False) -> dict:
@@ -261,14 +261,15 @@ def _get_kernel():
                          stride_se, stride_sn, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PER_PAIR: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
         """C[pair, :] = (A[row of pair] @ B[expert]^T (* a_scale[row] * scale) (+ bias[expert])) (* routing
         weight), one block of sorted pairs (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs
         share a token's row of x (the gate_up GEMM), or each pair has its own row (the down GEMM reads the
         activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row.
         PER_PAIR: no sorted layout; program (block of N, pair) computes that one pair's row (row 0 of its
-        BLOCK_M), its expert read from block_expert_ptr, which then holds the routing ids, one per pair."""
+        BLOCK_M), its expert read from block_expert_ptr, which then holds the routing ids, one per pair.
+        SWAP_AB: the same product computed transposed (the same sums; the tile layout differs)."""
         pid = tl.program_id(0)
         if PER_PAIR:
             # The pairs of one block of N run side by side: pairs that share an expert share its tile in L2.
@@ -299,17 +300,32 @@ def _get_kernel():
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_row = pair // A_ROWS_PER_PAIR
-        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
-            # e4m3 A (W8A8): e4m3 x e4m3 on the FP8 tensor cores; else the weight in A's dtype. fp32 sums.
-            acc += tl.dot(a, b.to(a.dtype))
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        if SWAP_AB:
+            # C^T = B A^T: the weight tile is the MMA's tall side (Hopper's warpgroup MMA wants 64+ rows
+            # there), the few rows of pairs its narrow side.
+            a_ptrs = a_ptr + a_row[None, :] * stride_am + offs_k[:, None] * stride_ak
+            b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=pair_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                acc_t = tl.dot(b.to(a.dtype), a, acc_t)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            acc = tl.trans(acc_t)
+        else:
+            a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                # e4m3 A (W8A8): e4m3 x e4m3 on the FP8 tensor cores; else the weight in A's dtype. fp32 sums.
+                acc += tl.dot(a, b.to(a.dtype))
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
         if HAS_A_SCALE:
             acc *= tl.load(a_scale_ptr + a_row, mask=pair_mask, other=0.0)[:, None]
         if HAS_SCALE:

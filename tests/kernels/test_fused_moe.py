@@ -329,6 +329,57 @@ def test_triton_fused_moe_fp8_on_gpu_equals_torch_reference(tokens, experts, top
         assert _rel_err(out, ref) < 2e-2
 
 
+def _swapped_tiles(per_pair: bool, block_m: int = 16):
+    """A tile configuration with the transposed product (SWAP_AB) in both GEMMs."""
+    from kvserve.ops.fused_moe import _tiles
+
+    return _tiles(per_pair, block_m, 64, 32, 1, 4, 2, swap_ab=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("per_pair,tokens", [(True, 2), (False, 13)], ids=["per-pair", "sorted"])
+@pytest.mark.parametrize("kind", ["fp32", "fp8", "fp8_w8a8"])
+def test_triton_fused_moe_swapped_product_equals_reference(per_pair, tokens, kind, monkeypatch):
+    """SWAP_AB computes C^T = B A^T: the same sums, so the same results as the reference, for both row layouts,
+    16/32-bit and fp8 experts, weight-only and W8A8."""
+    from kvserve.ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: _swapped_tiles(per_pair))
+    if kind == "fp32":
+        x, w13, w2, weights, ids = _case(tokens, 8, 2, 64, 48, torch.float32)
+        ref = fused_moe_torch(x, w13, w2, weights, ids)
+        out = fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        return
+    w8a8 = kind == "fp8_w8a8"
+    x, q13, q2, weights, ids, s13, s2 = _fp8_case(tokens, 8, 2, 64, 48, torch.float32)
+    ref = fused_moe_torch(x, q13, q2, weights, ids, s13, s2, quantize_activations=w8a8)
+    out = fused_moe.fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=w8a8)
+    assert _rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (256, 32)], ids=["per-pair", "sorted"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8_w8a8"])
+def test_triton_fused_moe_swapped_product_on_gpu_equals_reference(tokens, block_m, kind, monkeypatch):
+    """The transposed product compiled (Hopper's warpgroup MMA with the weight tile on its tall side), at the
+    Qwen3-30B-A3B expert shape."""
+    from kvserve.ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: _swapped_tiles(tokens == 1, block_m))
+    if kind == "bf16":
+        x, w13, w2, weights, ids = (t.cuda() for t in _case(tokens, 128, 8, 2048, 768, torch.bfloat16))
+        ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+        out = fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
+        assert _rel_err(out, ref) < 2e-2
+        return
+    x, q13, q2, weights, ids, s13, s2 = (t.cuda() for t in _fp8_case(tokens, 128, 8, 2048, 768, torch.bfloat16))
+    ref = fused_moe_torch(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
+    out = fused_moe.fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
+    assert _norm_rel_err(out, ref) < 1e-2
+
+
 @needs_interpreter
 @pytest.mark.parametrize("tokens,experts,top_k,block_m,elsewhere", [
     (1, 8, 2, 16, False), (37, 8, 2, 16, True), (300, 16, 4, 64, False), (5, 128, 8, 16, True), (1100, 4, 1, 32, False),
