@@ -120,7 +120,7 @@ def kernel(results: dict) -> bool:
 
 def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, rows: list) -> bool:
     from kvserve.model.quantization.fp8_moe import _quantize_experts
-    from kvserve.ops import fused_moe
+    from kvserve.ops import fused_moe, moe_align
     from kvserve.ops.fused_moe import fused_moe_torch, fused_moe_triton
 
     ok = True
@@ -161,9 +161,9 @@ def kernel_shape(label: str, experts: int, top_k: int, hidden: int, inter: int, 
         # The sort of pairs into expert blocks: one Triton launch vs the torch version (the reference).
         block_m = fused_moe._gemm_config(tokens * top_k, experts)["BLOCK_M"]
         row["align_triton_ms"] = round(graph_time_ms(
-            functools.partial(fused_moe.align_block_size_triton, ids, experts, block_m)), 4)
+            functools.partial(moe_align.align_block_size_triton, ids, experts, block_m)), 4)
         try:
-            row["align_torch_ms"] = round(graph_time_ms(functools.partial(fused_moe.align_block_size, ids, experts,
+            row["align_torch_ms"] = round(graph_time_ms(functools.partial(moe_align.align_block_size, ids, experts,
                                                                           block_m)), 4)
         except RuntimeError as exc:  # a torch op that cannot be captured: say so, keep measuring
             row["align_torch_ms"] = f"not capturable ({str(exc)[:60]})"

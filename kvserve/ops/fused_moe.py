@@ -8,9 +8,9 @@ Two implementations of the same function:
 * `fused_moe_torch`: the reference (CPU and tests), one pair of GEMMs per expert that has tokens, summed in
   the order HF transformers' eager experts sum them.
 * `fused_moe_triton`: grouped GEMMs in Triton. The (token, k) pairs are sorted by expert and each expert's run
-  is padded to the GEMM's BLOCK_M (`align_block_size`), so every block of rows belongs to one expert; one kernel
-  computes gate_up for every pair, one SiLU-and-mul, one kernel the down projection (scaled by the routing
-  weight), then the k partial rows of a token are summed. Every launch size depends only on the token count,
+  is padded to the GEMM's BLOCK_M (kvserve/ops/moe_align.py), so every block of rows belongs to one expert (small
+  steps skip the sort: one block per pair); one kernel computes gate_up for every pair, one SiLU-and-mul, one
+  kernel the down projection (scaled by the routing weight), then the k partial rows of a token are summed. Every launch size depends only on the token count,
   never on the routing, so the whole layer can be captured in a CUDA graph.
 
 Expert weights are stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]. FP8 experts hold e4m3
@@ -104,109 +104,6 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
             y = y + w2_bias[e]
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype).to(out.dtype))
     return out.to(x.dtype)
-
-
-def align_block_size(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort the T*K (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
-
-    Returns (sorted_pairs [P + E * (block_m - 1)] int32: pair index, or P for padding; block_expert [blocks]
-    int32: the expert of each block of block_m rows, -1 past the end; num_rows [1] int32: rows in use). Sizes
-    depend on P and E only (graph-safe: no host sync). Pairs with id -1 are left out."""
-    flat = local_ids.reshape(-1).long()
-    pairs = flat.numel()
-    bucket = torch.where(flat < 0, num_experts, flat)  # bucket E: experts on other ranks, dropped
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = torch.cat([ends - padded, ends.new_zeros(1)])
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
-    first_pair = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(pairs, device=flat.device) - first_pair[sorted_bucket]
-    capacity = pairs + num_experts * (block_m - 1)
-    dest = torch.where(sorted_bucket < num_experts, starts[sorted_bucket] + rank_in_expert, capacity)
-    sorted_pairs = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    num_blocks = (capacity + block_m - 1) // block_m
-    block_start = torch.arange(num_blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(ends, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_pairs[:capacity], block_expert, ends[-1:].to(torch.int32)
-
-
-_align_kernel = None
-
-
-def _get_align_kernel():
-    global _align_kernel
-    if _align_kernel is not None:
-        return _align_kernel
-    import triton
-    import triton.language as tl
-
-    # Sizes that change with every step's token count are not specialised on (no recompiles mid-run).
-    @triton.jit(do_not_specialize=["P", "capacity", "num_blocks"])
-    def moe_align(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, capacity, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
-        """align_block_size in one program: count pairs per expert (atomics), each expert's padded start
-        (a cumsum), then every pair takes the next row of its expert (atomics: the order inside an expert's
-        run varies, which changes no result, since every row is computed and written on its own)."""
-        e = tl.arange(0, BLOCK_E)
-        tl.store(cursor_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e < E)
-        for start in range(0, capacity, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
-        tl.debug_barrier()
-        for start in range(0, P, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-            tl.atomic_add(cursor_ptr + ids, 1, mask=(offs < P) & (ids >= 0))
-        tl.debug_barrier()
-        counts = tl.atomic_add(cursor_ptr + e, 0, mask=e < E)  # read where the atomics landed
-        counts = tl.where(e < E, counts, 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        tl.debug_barrier()
-        tl.store(cursor_ptr + e, ends - padded, mask=e < E)
-        tl.debug_barrier()
-        for start in range(0, P, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-            valid = (offs < P) & (ids >= 0)
-            row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
-            tl.store(sorted_ptr + row, offs, mask=valid)
-        total = tl.sum(padded, axis=0)
-        for start in range(0, num_blocks, BLOCKS_CHUNK):
-            b = start + tl.arange(0, BLOCKS_CHUNK)
-            first_row = b * BLOCK_M
-            # Experts with padded zero-width runs end where the next one starts: count the ends at or before.
-            expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
-        tl.store(num_rows_ptr, total)
-
-    _align_kernel = moe_align
-    return _align_kernel
-
-
-def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """align_block_size in one Triton launch (the torch version takes ~30 small kernels per layer); the same
-    outputs except the order of pairs inside each expert's run."""
-    import triton
-
-    flat = local_ids.reshape(-1).to(torch.int32)
-    pairs = flat.numel()
-    capacity = pairs + num_experts * (block_m - 1)
-    num_blocks = triton.cdiv(capacity, block_m)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
-    num_rows = torch.empty(1, dtype=torch.int32, device=flat.device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-    block_e = triton.next_power_of_2(num_experts)
-    _get_align_kernel()[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts, capacity,
-                              num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024,
-                              BLOCKS_CHUNK=max(16, 4096 // block_e), num_warps=8)
-    return sorted_pairs, block_expert, num_rows
 
 
 # Steps of up to this many (token, k) pairs may skip the sort: each pair is its own block (PER_PAIR).
@@ -382,6 +279,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
     from kvserve.ops import fp8_quant
     from kvserve.ops.fused_kernels import silu_and_mul, silu_and_mul_fp8
+    from kvserve.ops.moe_align import align_block_size_triton
 
     tokens, top_k = local_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1]

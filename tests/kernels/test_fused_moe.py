@@ -1,17 +1,15 @@
 """The routed-experts kernels (kvserve/ops/fused_moe.py): the Triton grouped GEMMs equal the torch reference, on
 the CPU under Triton's interpreter (a subprocess with TRITON_INTERPRET=1) and on a GPU (the `gpu` test), for
 16/32-bit and fp8 experts, weight-only and W8A8 (the interpreter runs an e4m3 x e4m3 tl.dot exactly; bf16 it
-rounds by truncation, so bf16 W8A8 is checked on the GPU only); the sort of (token, k) pairs into expert blocks
-keeps every pair exactly once; fp8 experts take the W8A8 path above the selection table's threshold."""
+rounds by truncation, so bf16 W8A8 is checked on the GPU only); fp8 experts take the W8A8 path above the
+selection table's threshold. The sort of pairs into expert blocks: tests/kernels/test_moe_align.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvserve.ops.fused_moe import align_block_size, fused_moe_torch
+from kvserve.ops.fused_moe import fused_moe_torch
 from tests.triton_interpreter import INTERPRETED, run_file_in_interpreter
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
@@ -22,32 +20,6 @@ def test_fused_moe_kernels_in_interpreter_subprocess():
     pytest.importorskip("triton")
     out = run_file_in_interpreter(__file__)
     assert " passed" in out
-
-
-@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
-@settings(max_examples=60, deadline=None)
-@given(tokens=st.integers(1, 40), experts=st.integers(1, 12), data=st.data())
-def test_align_block_size_puts_every_local_pair_in_one_block_of_its_expert(tokens, experts, data):
-    top_k = data.draw(st.integers(1, experts))
-    block_m = data.draw(st.sampled_from([1, 4, 16]))
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-    elsewhere = data.draw(st.booleans())  # expert parallelism: some experts on other ranks (-1)
-    if elsewhere:
-        ids = torch.where(ids % 3 == 0, -1, ids)
-    sorted_pairs, block_expert, num_rows = align_block_size(ids, experts, block_m)
-    pairs = tokens * top_k
-    rows = int(num_rows)
-    assert rows % block_m == 0 and sorted_pairs.numel() == pairs + experts * (block_m - 1)
-    used = sorted_pairs[:rows]
-    real = used[used < pairs].tolist()
-    flat = ids.reshape(-1)
-    assert sorted(real) == [p for p in range(pairs) if flat[p] >= 0]  # each local pair once, others never
-    assert (sorted_pairs[rows:] == pairs).all()
-    for row in range(rows):
-        pair = int(used[row])
-        if pair < pairs:
-            assert int(flat[pair]) == int(block_expert[row // block_m])  # a block holds one expert's pairs
-    assert (block_expert[rows // block_m:] == -1).all()
 
 
 def _case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
@@ -379,27 +351,6 @@ def test_triton_fused_moe_swapped_product_on_gpu_equals_reference(tokens, block_
     out = fused_moe.fused_moe_triton(x, q13, q2, weights, ids, s13, s2, quantize_activations=True)
     assert _norm_rel_err(out, ref) < 1e-2
 
-
-@needs_interpreter
-@pytest.mark.parametrize("tokens,experts,top_k,block_m,elsewhere", [
-    (1, 8, 2, 16, False), (37, 8, 2, 16, True), (300, 16, 4, 64, False), (5, 128, 8, 16, True), (1100, 4, 1, 32, False),
-])
-def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewhere):
-    """The one-launch Triton sort gives the same blocks as the torch one; only the order inside a run may differ."""
-    from kvserve.ops.fused_moe import align_block_size_triton
-
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    if elsewhere:
-        ids = torch.where(ids % 3 == 0, -1, ids)
-    ref = align_block_size(ids, experts, block_m)
-    got = align_block_size_triton(ids, experts, block_m)
-    assert int(got[2]) == int(ref[2])
-    assert got[1].tolist() == ref[1].tolist()
-    rows = int(ref[2])
-    blocks = lambda s: [sorted(s[i:i + block_m].tolist()) for i in range(0, rows, block_m)]  # noqa: E731
-    assert blocks(got[0]) == blocks(ref[0])
-    assert (got[0][rows:] == tokens * top_k).all()
 
 
 @pytest.mark.gpu

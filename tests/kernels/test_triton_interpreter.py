@@ -13,7 +13,8 @@ from tests.triton_interpreter import INTERPRETED, run_file_in_interpreter
 pytest.importorskip("triton")
 
 KERNEL_TEST_FILES = ["test_triton_attention.py", "test_triton_attention_window.py", "test_triton_attention_sinks.py",
-                     "test_quant_kernels.py", "test_fused_kernels.py", "test_moe_routing.py"]
+                     "test_quant_kernels.py", "test_fused_kernels.py", "test_moe_routing.py",
+                    "test_moe_align.py"]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
