@@ -15,7 +15,9 @@
    (where bf16 rounding splits them, the HF logit margin at the split), and graphs vs --enforce-eager.
 3. engine: a Qwen3-30B-A3B-shaped model (48 layers, 32 heads, 4 KV heads, head_dim 128, 128 experts, 8 per
    token, width 768, vocabulary 151936) with dummy weights: W1 (docs/DESIGN.md) and batch-1 decode, in bf16
-   and with --quantization fp8, output tokens/s.
+   and with --quantization fp8, output tokens/s. `--previous` runs each configuration a second time on the
+   path this tree replaced, `--grouped-mm-min-tokens N` with steps of at least N tokens through torch's
+   grouped GEMM (kvserve/ops/moe_grouped_mm.py): same-command ratios.
 A table is printed last; everything goes to OUT/gpu_moe.json. Exit status 1 if a correctness check failed.
 """
 
@@ -213,18 +215,28 @@ def parity(results: dict) -> bool:
 
 # ---- 3. engine ------------------------------------------------------------------------------------
 def previous_paths() -> dict:
-    """--previous: the path this tree replaced (the router's softmax / top-k / renormalisation as separate torch
-    kernels), set for a second run of each engine configuration in the same command (a ratio against our own
-    previous path)."""
-    return {"kvserve.model.moe.FUSED_ROUTING": False}
+    """--previous: the path this tree replaced (the fused-MoE tile table before one-block-per-pair steps and
+    per-dtype tiles: benchmarks/sweep_moe_tiles.py's previous_config), set for a second run of each engine
+    configuration in the same command (a ratio against our own previous path)."""
+    from benchmarks.sweep_moe_tiles import previous_config
+
+    return {"kvserve.ops.fused_moe._gemm_config": previous_config}
 
 
-def engine(results: dict, num_requests: int, quantization: str | None, args, previous: bool = False) -> None:
+def grouped_mm_paths(min_tokens: int) -> dict:
+    """--grouped-mm-min-tokens: steps of at least that many tokens through torch's grouped GEMM
+    (kvserve/ops/moe_grouped_mm.py), a second run of each configuration for a same-command ratio."""
+    return {"kvserve.ops.moe_grouped_mm.MIN_TOKENS": min_tokens}
+
+
+def engine(results: dict, num_requests: int, quantization: str | None, args, variant: str = "",
+           paths: dict | None = None) -> None:
+    """variant: the label's suffix of a run with `paths` (module attributes) set, e.g. "previous"."""
     from benchmarks.gpu_compare import set_attributes
     from kvserve import LLM
 
-    label = (quantization or "bf16") + ("_previous" if previous else "")
-    restore = set_attributes(previous_paths() if previous else {})
+    label = (quantization or "bf16") + (f"_{variant}" if variant else "")
+    restore = set_attributes(paths or {})
     path = write_config(QWEN3_30B_A3B)
     t = time.perf_counter()
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
@@ -264,6 +276,8 @@ def main():
     ap.add_argument("--configs", default="bf16,fp8", help="engine configurations to run, comma-separated")
     ap.add_argument("--previous", action="store_true", help="also run each engine configuration on the previous "
                                                              "paths (previous_paths) for a same-command ratio")
+    ap.add_argument("--grouped-mm-min-tokens", type=int, help="also run each engine configuration with steps of "
+                    "at least this many tokens through torch's grouped GEMM (grouped_mm_paths)")
     ap.add_argument("--vllm-dir", help="where vLLM's runs of the same shape left vllm_bench_moe_bf16.json and "
                                        "vllm_bench_moe_fp8.json (the bundle's vllm_bench.py --shape qwen3-30b-a3b "
                                        "--tag _moe_bf16, and --extra '{\"quantization\": \"fp8\"}' --tag _moe_fp8)")
@@ -279,8 +293,11 @@ def main():
     if not args.skip_engine:
         for quantization in [None if q == "bf16" else q for q in args.configs.split(",")]:
             if args.previous:
-                engine(results, args.num_requests, quantization, args, previous=True)
+                engine(results, args.num_requests, quantization, args, "previous", previous_paths())
             engine(results, args.num_requests, quantization, args)
+            if args.grouped_mm_min_tokens is not None:
+                engine(results, args.num_requests, quantization, args, "grouped_mm",
+                       grouped_mm_paths(args.grouped_mm_min_tokens))
     vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -321,14 +338,14 @@ def main():
             print(f"| {label} | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | "
                   f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} | {versus} |")
     for label in ("bf16", "fp8"):
-        if f"{label}_previous_w1" in results and f"{label}_w1" in results:
-            now, before = (results[f"{label}_{k}"] for k in ("w1", "previous_w1"))
-            now_b1, before_b1 = (results[f"{label}_{k}"] for k in ("batch1", "previous_batch1"))
-            ratio = {"w1": now["output_tok_s"] / before["output_tok_s"],
-                     "batch1": now_b1["output_tok_s"] / before_b1["output_tok_s"]}
-            print(f"| {label}, previous paths (this command) | {results[f'{label}_previous_w1']['output_tok_s']} | "
-                  f"{results[f'{label}_previous_batch1']['output_tok_s']} | | | now / previous: W1 {ratio['w1']:.3f}x, "
-                  f"batch-1 {ratio['batch1']:.3f}x |")
+        for variant, name in (("previous", "previous paths"), ("grouped_mm", "torch grouped GEMM")):
+            if f"{label}_{variant}_w1" not in results or f"{label}_w1" not in results:
+                continue
+            now, other = results[f"{label}_w1"], results[f"{label}_{variant}_w1"]
+            now_b1, other_b1 = results[f"{label}_batch1"], results[f"{label}_{variant}_batch1"]
+            print(f"| {label}, {name} (this command) | {other['output_tok_s']} | {other_b1['output_tok_s']} | | | "
+                  f"this tree / {name}: W1 {now['output_tok_s'] / other['output_tok_s']:.3f}x, batch-1 "
+                  f"{now_b1['output_tok_s'] / other_b1['output_tok_s']:.3f}x |")
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")
     raise SystemExit(0 if ok else 1)

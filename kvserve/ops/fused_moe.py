@@ -274,9 +274,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                      activation: ExpertActivation = SILU, quantize_activations: bool = False) -> torch.Tensor:
     """Same contract as fused_moe_torch. all_experts_local=False (expert parallelism): pairs routed elsewhere
-    leave their rows zero. quantize_activations: the W8A8 path (fp8 experts)."""
+    leave their rows zero. quantize_activations: the W8A8 path (fp8 experts). Steps that
+    kvserve/ops/moe_grouped_mm.py serves go to torch's grouped GEMM instead."""
     if quantize_activations and (w13_scale is None or w2_scale is None):
         raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
+    from kvserve.ops import moe_grouped_mm
+
+    if moe_grouped_mm.serves(local_ids.shape[0], x, w13_scale is not None, quantize_activations):
+        return moe_grouped_mm.fused_moe_grouped_mm(x, w13, w2, topk_weights, local_ids, w13_scale, w2_scale,
+                                                   all_experts_local, w13_bias, w2_bias, activation,
+                                                   quantize_activations)
     from kvserve.ops import fp8_quant
     from kvserve.ops.fused_kernels import silu_and_mul, silu_and_mul_fp8
     from kvserve.ops.moe_align import align_block_size_triton
