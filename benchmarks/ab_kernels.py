@@ -8,8 +8,10 @@
   rms_norm_fp8 / silu_and_mul_fp8 (now); their outputs must be the same bytes.
 * prefill: the unified attention kernel on long prompts (the 8k TTFT and W2 shapes: 32 query heads, 8 KV
   heads, head_dim 128, bf16, one prompt of 8,192 tokens in chunks of 8,192 or 16,384 and a 2,048-token chunk
-  on 6,144 cached tokens) for a grid of launch configurations; each must match the one the backend picks
-  now within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products).
+  on 6,144 cached tokens; and Gemma-3-12B's, 16 query heads, 8 KV heads, head_dim 256, its global layers and
+  its local ones with a 1,024-token window) for a grid of launch configurations; each must match the one the
+  backend picks now within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products; windowed:
+  the keys each query sees).
 
 * int4: AWQ-int4 layers (group 128, bf16) of Llama-3.1-8B's four linear shapes at M = 1 .. 256 rows: the
   old path (split-K skinny kernel up to 16 rows, dequantize + cuBLAS above) against the tensor-core GEMM
@@ -80,11 +82,12 @@ def fp8_fusion(rows_out: list) -> None:
         print(json.dumps(rows_out[-2:]), flush=True)
 
 
-def _prefill_batch(ctx: int, q_len: int, block_size: int = 16):
-    """One request: q_len new tokens after ctx cached ones, Llama-3.1-8B attention shape, bf16, paged."""
+def _prefill_batch(ctx: int, q_len: int, block_size: int = 16, heads: tuple[int, int, int] = (32, 8, 128)):
+    """One request: q_len new tokens after ctx cached ones, bf16, paged; heads: (query heads, KV heads,
+    head_dim), Llama-3.1-8B's by default."""
     from kvserve.ops.attention_metadata import AttentionMetadata
 
-    h, hkv, d = 32, 8, 128
+    h, hkv, d = heads
     seq = ctx + q_len
     nb = -(-seq // block_size)
     g = torch.Generator(device="cuda").manual_seed(seq)
@@ -109,36 +112,50 @@ PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 12
                    (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 
 
+# (label, (query heads, KV heads, head_dim), sliding window, [(cached tokens, new tokens)]): Llama-3.1-8B (the
+# 8k TTFT and W2 rows), Gemma-3-12B's global and local (1,024-token window) layers (its W2 row).
+PREFILL_SHAPES = [
+    ("llama-3.1-8b", (32, 8, 128), None, [(0, 8192), (0, 16384), (6144, 2048)]),
+    ("gemma-3-12b global", (16, 8, 256), None, [(0, 8192), (6144, 2048)]),
+    ("gemma-3-12b local", (16, 8, 256), 1024, [(0, 8192), (6144, 2048)]),
+]
+
+
 def prefill(rows_out: list) -> None:
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
-    for ctx, q_len in ((0, 8192), (0, 16384), (6144, 2048)):
-        current = TritonAttentionBackend().launch_config(q_len)
-        q, k, v, cache, meta = _prefill_batch(ctx, q_len)
-        scale = 128 ** -0.5
-        # causal FLOPs: 2 GEMMs x 2 flops x heads x d x (keys each query sees)
-        keys_seen = sum(ctx + i + 1 for i in range(q_len))
-        flops = 4 * 32 * 128 * keys_seen
-        reference = None
-        for config in PREFILL_CONFIGS:
-            backend = TritonAttentionBackend()
-            backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = config or current
-            run = lambda: backend.forward(q, k, v, cache, meta, scale)
-            try:
-                out = run().float()
-            except Exception as exc:  # a configuration that does not fit (shared memory) is reported, not fatal
-                rows_out.append({"section": "prefill", "case": f"ctx {ctx} + {q_len}", "config": str(config),
-                                 "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                continue
-            if reference is None:
-                reference = out
-            err = (out - reference).abs().max().item()
-            us = bench(run)
-            rows_out.append({"section": "prefill", "case": f"ctx {ctx} + {q_len}",
-                             "config": f"{config or current}{' (current)' if config is None else ''}",
-                             "max_abs_diff_vs_current": round(err, 4), "us": round(us, 1),
-                             "tflops": round(flops / us / 1e6, 1)})
-            print(json.dumps(rows_out[-1]), flush=True)
+    for label, heads, window, cases in PREFILL_SHAPES:
+        h, _, d = heads
+        for ctx, q_len in cases:
+            current = TritonAttentionBackend().launch_config(q_len)
+            q, k, v, cache, meta = _prefill_batch(ctx, q_len, heads=heads)
+            scale = d ** -0.5
+            # causal FLOPs: 2 GEMMs x 2 flops x heads x d x (keys each query sees, within the window)
+            keys_seen = sum(min(ctx + i + 1, window or ctx + i + 1) for i in range(q_len))
+            flops = 4 * h * d * keys_seen
+            reference = None
+            case = f"{label}: ctx {ctx} + {q_len}"
+            for config in PREFILL_CONFIGS:
+                backend = TritonAttentionBackend()
+                backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = config or current
+                run = lambda: backend.forward(q, k, v, cache, meta, scale, sliding_window=window)  # noqa: E731
+                try:
+                    out = run().float()
+                except Exception as exc:  # a configuration that does not fit (shared memory): reported, not fatal
+                    rows_out.append({"section": "prefill", "case": case, "config": str(config),
+                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                    continue
+                if reference is None:
+                    reference = out
+                err = (out - reference).abs().max().item()
+                us = bench(run)
+                rows_out.append({"section": "prefill", "case": case,
+                                 "config": f"{config or current}{' (current)' if config is None else ''}",
+                                 "max_abs_diff_vs_current": round(err, 4), "us": round(us, 1),
+                                 "tflops": round(flops / us / 1e6, 1)})
+                print(json.dumps(rows_out[-1]), flush=True)
+            del q, k, v, cache, meta
+            torch.cuda.empty_cache()
 
 
 # Llama-3.1-8B's linear layers, (K, N).
