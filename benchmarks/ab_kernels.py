@@ -109,7 +109,8 @@ def _prefill_batch(ctx: int, q_len: int, block_size: int = 16, heads: tuple[int,
 # (BLOCK_M, TILE_N, num_warps, num_stages) candidates; None: what the backend picks for that query length now
 # (launch_config: PREFILL_CONFIG, or LONG_PREFILL_CONFIG from LONG_PREFILL_MIN_QUERY tokens).
 PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2),
-                   (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+                   (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                   (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)]  # the last three for head_dim 256
 
 
 # (label, (query heads, KV heads, head_dim), sliding window, [(cached tokens, new tokens)]): Llama-3.1-8B (the
