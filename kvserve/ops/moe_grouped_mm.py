@@ -15,7 +15,7 @@ library leaves their rows unwritten and the sum gives them weight 0. No host syn
 token count, so a step can be captured in a CUDA graph.
 
 Which steps take this path is decided in one place, `serves`: steps of at least MIN_TOKENS tokens (None: none)
-on a device and dtype the library supports.
+on a device and dtype the library supports (a Hopper or newer GPU; bf16 experts, or fp8 ones on W8A8).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def serves(tokens: int, x: torch.Tensor, weights_fp8: bool, quantize_activations
         return False
     if weights_fp8 and not quantize_activations:
         return False  # no W8A16 grouped GEMM in torch
+    if not weights_fp8 and x.dtype != torch.bfloat16:
+        return False  # the CUDA grouped GEMM is bf16 only
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 

@@ -72,7 +72,8 @@ def test_which_steps_take_the_grouped_gemm(monkeypatch):
     monkeypatch.setattr(moe_grouped_mm, "MIN_TOKENS", 1024)
     assert not moe_grouped_mm.serves(4096, x, False, False)  # a CPU tensor: the torch reference serves it
     if torch.cuda.is_available():
-        on_gpu = x.cuda()
+        on_gpu = x.cuda().bfloat16()
+        assert not moe_grouped_mm.serves(4096, on_gpu.half(), False, False)  # fp16: not in the CUDA library
         hopper = torch.cuda.get_device_capability() >= (9, 0)
         assert moe_grouped_mm.serves(4096, on_gpu, False, False) == hopper
         assert moe_grouped_mm.serves(4096, on_gpu, True, True) == hopper
