@@ -34,8 +34,9 @@ PEAK_TBPS = 4.27
 ATOL, RTOL = 2e-2, 2e-2  # bf16 output; P is rounded to bf16 before the PV product
 
 
-def make_step(ctx_lens, q_lens, seed=0):
-    """One step's q/k/v, a paged cache with random contents and shuffled block tables, and its metadata."""
+def make_step(ctx_lens, q_lens, seed=0, kv_heads=HKV):
+    """One step's q/k/v, a paged cache with random contents and shuffled block tables, and its metadata;
+    H query heads over kv_heads KV heads (Llama-3.1-8B's 8 by default; Qwen3-30B-A3B has 4)."""
     rnd = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -66,10 +67,10 @@ def make_step(ctx_lens, q_lens, seed=0):
     )
     t = len(slots)
     q = torch.randn(t, H, D, device="cuda", dtype=DTYPE, generator=gen)
-    k = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE, generator=gen)
-    v = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE, generator=gen)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, HKV, D, device="cuda", dtype=DTYPE, generator=gen)
-    kv_bytes = sum(seq_lens) * HKV * D * 2 * kv_cache.element_size()
+    k = torch.randn(t, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(t, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
+    kv_bytes = sum(seq_lens) * kv_heads * D * 2 * kv_cache.element_size()
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in zip(ctx_lens, q_lens))  # visible (query, key) pairs
     return q, k, v, kv_cache, meta, kv_bytes, 4 * D * H * pairs
 

@@ -1,6 +1,6 @@
 """Decode attention launch configurations on the GPU: the unified kernel's DECODE_CONFIG and split-KV
-counts, timed on W1-like decode batches (GPU time from CUDA-graph replays), each checked against the
-torch backend first.
+counts, timed on W1-like decode batches (GPU time from CUDA-graph replays; Llama-3.1-8B's heads, and
+Qwen3-30B-A3B's 4 KV heads in the last column), each checked against the torch backend first.
 
     PYTHONUNBUFFERED=1 python benchmarks/sweep_decode_attention.py
 """
@@ -21,7 +21,7 @@ from kvserve.ops.triton_attention import TritonAttentionBackend  # noqa: E402
 
 # (BLOCK_M, TILE_N, num_warps, num_stages); the first is the current default.
 CONFIGS = [TritonAttentionBackend.DECODE_CONFIG, (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 8, 3),
-           (16, 64, 2, 4), (16, 32, 4, 4), (16, 256, 8, 2)]
+           (16, 64, 2, 4), (16, 32, 4, 4), (16, 256, 8, 2), (16, 128, 4, 2), (16, 64, 4, 2)]
 SPLITS = [2, 4]
 
 
@@ -31,6 +31,9 @@ def cases():
         ("B=256 ctx U(100,1024)", make_step([rnd.randint(100, 1024) for _ in range(256)], [1] * 256, seed=1)),
         ("B=128 ctx U(400,1600)", make_step([rnd.randint(400, 1600) for _ in range(128)], [1] * 128, seed=2)),
         ("B=32 ctx U(800,2000)", make_step([rnd.randint(800, 2000) for _ in range(32)], [1] * 32, seed=3)),
+        # Qwen3-30B-A3B's attention (32 query heads over 4 KV heads: a GQA group of 8), W1's decode batch
+        ("MoE B=256 ctx U(100,1024)", make_step([rnd.randint(100, 1024) for _ in range(256)], [1] * 256, seed=4,
+                                                kv_heads=4)),
     ]
 
 
