@@ -14,8 +14,9 @@ replays (median) with
   on the best; each output checked against the current
   configuration's (|diff| / |out| < 1e-2, Euclidean norms: W8A8 tiles may round an activation to the other
   e4m3 neighbour; a candidate that fails, or does not compile, is reported and skipped);
-* the same call through torch's grouped GEMM (kvserve/ops/moe_grouped_mm.py: CUTLASS on Hopper), checked the
-  same way.
+* the same call through torch's grouped GEMM (kvserve/ops/moe_grouped_mm.py: CUTLASS on Hopper), and with
+  the parallel pair sort (kvserve/ops/moe_align.py; one-block-per-pair steps have no sort), checked the same
+  way.
 Prints the best candidate per row and its time relative to "previous" and "current", and the expert-weight
 bytes each call reads per second. JSON goes to OUT/sweep_moe_tiles.json; a markdown table is printed last.
 """
@@ -92,24 +93,22 @@ def timed_with(config_fn, call) -> tuple[float, torch.Tensor]:
         fused_moe._gemm_config = default
 
 
-def library_grouped_mm(call, ref, failures) -> float | None:
-    """The same call through torch's grouped GEMM (kvserve/ops/moe_grouped_mm.py), checked like a candidate."""
-    from kvserve.ops import moe_grouped_mm
-
-    previous = moe_grouped_mm.MIN_TOKENS
-    moe_grouped_mm.MIN_TOKENS = 1
+def with_switch(module, name: str, value, call, ref, failures, label: str) -> float | None:
+    """The same call with a module switch set (the current tile table otherwise), checked like a candidate."""
+    previous = getattr(module, name)
+    setattr(module, name, value)
     try:
         out = call()
         err = norm_rel_err(out, ref)
         if not err < 1e-2:
-            failures.append(f"torch grouped GEMM: rel err {err:.4f}")
+            failures.append(f"{label}: rel err {err:.4f}")
             return None
         return graph_time_ms(call, iters=10)
     except Exception as exc:  # noqa: BLE001 - not capturable, or not supported here: say so, go on
-        failures.append(f"torch grouped GEMM: {type(exc).__name__}: {str(exc)[:120]}")
+        failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:120]}")
         return None
     finally:
-        moe_grouped_mm.MIN_TOKENS = previous
+        setattr(module, name, previous)
 
 
 def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
@@ -159,7 +158,13 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
                 for down in DOWN_CANDIDATES:
                     attempt({**layout, "DOWN": down})
             row["best_ms"], row["best_config"] = (best[0], short(best[1])) if best else (None, None)
-            row["grouped_mm_ms"] = library_grouped_mm(call, ref, failures)
+            from kvserve.ops import moe_align, moe_grouped_mm
+
+            # torch's grouped GEMM for the whole call; the parallel pair sort under the current tiles
+            row["grouped_mm_ms"] = with_switch(moe_grouped_mm, "MIN_TOKENS", 1, call, ref, failures,
+                                               "torch grouped GEMM")
+            row["parallel_sort_ms"] = with_switch(moe_align, "PARALLEL_ABOVE_PAIRS", 0, call, ref, failures,
+                                                  "parallel pair sort")
             row["failures"] = failures
             row["best_weight_GBps"] = round(weight_bytes / best[0] / 1e6, 1) if best else None
             rows.append(row)
@@ -181,15 +186,15 @@ def main():
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | tokens | kind | previous ms | current ms | best ms | best / previous | best / current "
-          "| best GB/s | best config | torch grouped GEMM ms (/ current) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| best GB/s | best config | torch grouped GEMM ms (/ current) | parallel sort ms (/ current) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = r["best_ms"]
         print(f"| {r['shape']} | {r['tokens']} | {r['kind']} | {r['previous_ms']:.4f} | {r['current_ms']:.4f} | "
               f"{b and round(b, 4)} | {b and round(b / r['previous_ms'], 3)} | {b and round(b / r['current_ms'], 3)} "
               f"| {r['best_weight_GBps']} | {r['best_config']} | "
-              + (f"{r['grouped_mm_ms']:.4f} ({r['grouped_mm_ms'] / r['current_ms']:.3f})" if r["grouped_mm_ms"]
-                 else "failed") + " |")
+              + " | ".join(f"{r[k]:.4f} ({r[k] / r['current_ms']:.3f})" if r[k] else "failed"
+                           for k in ("grouped_mm_ms", "parallel_sort_ms")) + " |")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ Contract (align_block_size is the torch reference; the Triton versions give the 
             num_rows [1] int32: rows in use.
 Sizes depend on P and E only, never on the routing (no host sync: graph-safe). The Triton versions may order
 the pairs inside an expert's run differently (every row is computed and written on its own, so no result
-changes) and leave sorted_pairs from num_rows on unwritten (no GEMM program reads past num_rows).
+changes); the parallel one leaves sorted_pairs from num_rows on unwritten (no GEMM program reads past
+num_rows).
 
-Two Triton paths, chosen by P: one program for small steps (one launch), and for large ones (prefill chunks,
-large decode batches, where one program's serial loops over the pairs dominate) a zeroing, a counting kernel
-and a placing kernel, each over blocks of pairs.
+Two Triton paths, chosen by P: one program (one launch), and for large steps (prefill chunks, large decode
+batches, where one program's serial loops over the pairs dominate) a zeroing, a counting kernel and a placing
+kernel, each over blocks of pairs (from PARALLEL_ABOVE_PAIRS pairs; off by default until measured).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Steps of up to this many pairs are sorted by one program.
-ONE_PROGRAM_MAX_PAIRS = 1024
+# Steps of more than this many pairs are sorted over blocks of pairs (count, then place); None: every step by
+# one program. Off until timed on a GPU (benchmarks/sweep_moe_tiles.py times the whole layer).
+PARALLEL_ABOVE_PAIRS: int | None = None
 CHUNK = 1024
 
 
@@ -83,14 +85,17 @@ def _write_layout(program, programs, sorted_ptr, block_expert_ptr, num_rows_ptr,
 
 
 # Sizes that change with every step's token count are not specialised on (no recompiles mid-run).
-@triton.jit(do_not_specialize=["P", "num_blocks"])
-def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, num_blocks,
+@triton.jit(do_not_specialize=["P", "capacity", "num_blocks"])
+def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, capacity, num_blocks,
                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                        BLOCKS_CHUNK: tl.constexpr):
-    """Count pairs per expert (atomics), the runs (a cumsum), then every pair takes the next row of its
-    expert's run (atomics again, from the run's start)."""
+    """Count pairs per expert (atomics), each expert's padded start (a cumsum), then every pair takes the next
+    row of its expert (atomics again); every row of sorted_pairs is written (P where it is padding)."""
     e = tl.arange(0, BLOCK_E)
     tl.store(cursor_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e < E)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
     tl.debug_barrier()
     for start in range(0, P, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -99,9 +104,10 @@ def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, curs
     tl.debug_barrier()
     counts = tl.atomic_add(cursor_ptr + e, 0, mask=e < E)  # read where the atomics landed
     counts = tl.where(e < E, counts, 0)
-    starts, ends = _expert_runs(counts, E, BLOCK_M, BLOCK_E)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
     tl.debug_barrier()
-    tl.store(cursor_ptr + e, starts, mask=e < E)
+    tl.store(cursor_ptr + e, ends - padded, mask=e < E)
     tl.debug_barrier()
     for start in range(0, P, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -109,8 +115,14 @@ def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, curs
         valid = (offs < P) & (ids >= 0)
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
         tl.store(sorted_ptr + row, offs, mask=valid)
-    _write_layout(0, 1, sorted_ptr, block_expert_ptr, num_rows_ptr, counts, starts, ends, P, E, num_blocks,
-                  BLOCK_M, BLOCK_E, BLOCKS_CHUNK)
+    total = tl.sum(padded, axis=0)
+    for start in range(0, num_blocks, BLOCKS_CHUNK):
+        b = start + tl.arange(0, BLOCKS_CHUNK)
+        first_row = b * BLOCK_M
+        # Experts with padded zero-width runs end where the next one starts: count the ends at or before.
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
+    tl.store(num_rows_ptr, total)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -145,7 +157,7 @@ def _place_pairs(ids_ptr, counts_ptr, cursor_ptr, starts_ptr, sorted_ptr, block_
 
 
 def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """align_block_size in Triton: one launch up to ONE_PROGRAM_MAX_PAIRS pairs, three above."""
+    """align_block_size in Triton: one launch, or three above PARALLEL_ABOVE_PAIRS pairs."""
     flat = local_ids.reshape(-1).to(torch.int32)
     pairs = flat.numel()
     capacity = pairs + num_experts * (block_m - 1)
@@ -155,9 +167,9 @@ def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: 
     num_rows = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e = triton.next_power_of_2(num_experts)
     blocks_chunk = max(16, 4096 // block_e)
-    if pairs <= ONE_PROGRAM_MAX_PAIRS:
+    if PARALLEL_ABOVE_PAIRS is None or pairs <= PARALLEL_ABOVE_PAIRS:
         cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-        _align_one_program[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts,
+        _align_one_program[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts, capacity,
                                  num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=CHUNK,
                                  BLOCKS_CHUNK=blocks_chunk, num_warps=8)
         return sorted_pairs, block_expert, num_rows

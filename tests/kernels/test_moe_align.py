@@ -1,7 +1,7 @@
 """The sort of a MoE layer's (token, k) pairs into blocks of one expert each (kvserve/ops/moe_align.py): the
 torch reference keeps every local pair exactly once, in a block of its own expert (property test); the Triton
-versions, one program and three launches, give the reference's blocks, only the order inside an expert's run
-may differ; on the CPU under Triton's interpreter (tests/kernels/test_triton_interpreter.py) and compiled on a
+versions, one program and three launches (the parallel path, forced on every case here), give the reference's
+blocks, only the order inside an expert's run may differ; on the CPU under Triton's interpreter (tests/kernels/test_triton_interpreter.py) and compiled on a
 GPU (the gpu tier)."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _ids(tokens, experts, top_k, elsewhere, seed):
     return torch.where(ids % 3 == 0, -1, ids) if elsewhere else ids
 
 
-# Both Triton paths: up to ONE_PROGRAM_MAX_PAIRS pairs one program, above it count + place over blocks of pairs
-# (several blocks, a partial last one, experts on other ranks, 128 experts, a 128-row tile).
+# Both Triton paths on every case (several blocks of pairs, a partial last one, experts on other ranks, 128
+# experts, a 128-row tile).
 ALIGN_CASES = [
     (1, 8, 2, 16, False), (37, 8, 2, 16, True), (5, 128, 8, 16, True), (128, 8, 8, 64, False),
     (1100, 4, 1, 32, False), (300, 16, 4, 64, False), (600, 8, 2, 16, True), (256, 128, 8, 32, False),
@@ -61,14 +61,15 @@ ALIGN_CASES = [
 ]
 
 
-def test_the_cases_reach_both_triton_paths():
+def test_the_cases_give_the_parallel_path_several_blocks_of_pairs():
     pairs = [tokens * top_k for tokens, _, top_k, _, _ in ALIGN_CASES]
-    assert min(pairs) <= moe_align.ONE_PROGRAM_MAX_PAIRS < max(pairs)
-    assert sum(p > moe_align.ONE_PROGRAM_MAX_PAIRS and p % moe_align.CHUNK for p in pairs) >= 2  # partial blocks
+    assert sum(p > moe_align.CHUNK and p % moe_align.CHUNK for p in pairs) >= 2
 
 
+@pytest.mark.parametrize("path", ["one-program", "parallel"])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m,elsewhere", ALIGN_CASES)
-def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewhere):
+def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewhere, path, monkeypatch):
+    monkeypatch.setattr(moe_align, "PARALLEL_ABOVE_PAIRS", None if path == "one-program" else 0)
     ids = _ids(tokens, experts, top_k, elsewhere, seed=tokens)
     ref = align_block_size(ids, experts, block_m)
     got = [t.cpu() for t in moe_align.align_block_size_triton(ids.to(KERNEL_DEVICE), experts, block_m)]
@@ -76,4 +77,6 @@ def test_triton_align_equals_torch_align(tokens, experts, top_k, block_m, elsewh
     assert got[1].tolist() == ref[1].tolist()
     rows = int(ref[2])
     blocks = lambda s: [sorted(s[i:i + block_m].tolist()) for i in range(0, rows, block_m)]  # noqa: E731
-    assert blocks(got[0]) == blocks(ref[0])  # rows from num_rows on are never read: not compared
+    assert blocks(got[0]) == blocks(ref[0])
+    if path == "one-program":  # it writes every row (padding past num_rows too); the parallel one need not
+        assert (got[0][rows:] == tokens * top_k).all()
