@@ -8,10 +8,11 @@ Two implementations of the same function:
 * `fused_moe_torch`: the reference (CPU and tests), one pair of GEMMs per expert that has tokens, summed in
   the order HF transformers' eager experts sum them.
 * `fused_moe_triton`: grouped GEMMs in Triton. The (token, k) pairs are sorted by expert and each expert's run
-  is padded to the GEMM's BLOCK_M (kvserve/ops/moe_align.py), so every block of rows belongs to one expert (small
-  steps skip the sort: one block per pair); one kernel computes gate_up for every pair, one SiLU-and-mul, one
-  kernel the down projection (scaled by the routing weight), then the k partial rows of a token are summed. Every launch size depends only on the token count,
-  never on the routing, so the whole layer can be captured in a CUDA graph.
+  is padded to the GEMM's BLOCK_M (kvserve/ops/moe_align.py), so every block of rows belongs to one expert
+  (small steps skip the sort: one block per pair); one kernel computes gate_up for every pair, one
+  SiLU-and-mul, one kernel the down projection (scaled by the routing weight), then the k partial rows of a
+  token are summed. Every launch size depends only on the token count, never on the routing, so the whole
+  layer can be captured in a CUDA graph.
 
 Expert weights are stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]. FP8 experts hold e4m3
 weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [E, H]), multiplied one of two ways
