@@ -1,8 +1,8 @@
 """The sort of a MoE layer's (token, k) pairs into blocks of one expert each (kvserve/ops/moe_align.py): the
 torch reference keeps every local pair exactly once, in a block of its own expert (property test); the Triton
 versions, one program and three launches (the parallel path, forced on every case here), give the reference's
-blocks, only the order inside an expert's run may differ; on the CPU under Triton's interpreter (tests/kernels/test_triton_interpreter.py) and compiled on a
-GPU (the gpu tier)."""
+blocks, only the order inside an expert's run may differ; on the CPU under Triton's interpreter
+(tests/kernels/test_triton_interpreter.py) and compiled on a GPU (the gpu tier)."""
 
 from __future__ import annotations
 
