@@ -11,7 +11,7 @@ replays (median) with
 * "current": `_gemm_config` as it is;
 * every candidate in CANDIDATES that fits the step (one-block-per-pair only up to 64 pairs; each short row
   block also with the transposed product, SWAP_AB), then the down projection's own tiles (DOWN_CANDIDATES)
-  on the best; each output checked against the current
+  on the best, then for fp8 the best with FAST_ACCUM; each output checked against the current
   configuration's (|diff| / |out| < 1e-2, Euclidean norms: W8A8 tiles may round an activation to the other
   e4m3 neighbour; a candidate that fails, or does not compile, is reported and skipped);
 * the same call through torch's grouped GEMM (kvserve/ops/moe_grouped_mm.py: CUTLASS on Hopper), and with
@@ -75,7 +75,7 @@ def norm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def short(cfg: dict) -> str:
     text = ("pair " if cfg.get("PER_PAIR") else "sorted ") + "/".join(
         str(cfg.get(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"))
-    text += " swapped" if cfg.get("SWAP_AB") else ""
+    text += (" swapped" if cfg.get("SWAP_AB") else "") + (" fast-accum" if cfg.get("FAST_ACCUM") else "")
     down = cfg.get("DOWN") or {}
     return text + (" down " + "/".join(str(down[k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
                    + (" swapped" if down.get("SWAP_AB") else "") if down else "")
@@ -157,6 +157,8 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
                 layout = best[1]
                 for down in DOWN_CANDIDATES:
                     attempt({**layout, "DOWN": down})
+            if best is not None and kind != "bf16":  # fp8: the whole K in the tensor cores' accumulator
+                attempt({**best[1], "FAST_ACCUM": True, "DOWN": {**best[1]["DOWN"], "FAST_ACCUM": True}})
             row["best_ms"], row["best_config"] = (best[0], short(best[1])) if best else (None, None)
             from kvserve.ops import moe_align, moe_grouped_mm
 

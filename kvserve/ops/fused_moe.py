@@ -111,11 +111,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 PER_PAIR_MAX_PAIRS = 64
 
 
-def _tiles(per_pair, block_m, block_n, block_k, group_m, warps, stages, swap_ab=False, **down) -> dict:
-    """down: the down projection's own BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages / SWAP_AB where
-    they differ (its K is the expert width, gate_up's the hidden size); both GEMMs share the row layout."""
-    return dict(PER_PAIR=per_pair, SWAP_AB=swap_ab, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=group_m, num_warps=warps, num_stages=stages, DOWN=down)
+def _tiles(per_pair, block_m, block_n, block_k, group_m, warps, stages, swap_ab=False, fast_accum=False,
+           **down) -> dict:
+    """down: the down projection's own BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages / SWAP_AB /
+    FAST_ACCUM where they differ (its K is the expert width, gate_up's the hidden size); both GEMMs share the
+    row layout."""
+    return dict(PER_PAIR=per_pair, SWAP_AB=swap_ab, FAST_ACCUM=fast_accum, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages, DOWN=down)
 
 
 def _gemm_config(pairs: int, num_experts: int, top_k: int = 1, fp8: bool = False) -> dict:
@@ -159,15 +161,19 @@ def _get_kernel():
                          stride_se, stride_sn, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PER_PAIR: tl.constexpr,
-                         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         SWAP_AB: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[pair, :] = (A[row of pair] @ B[expert]^T (* a_scale[row] * scale) (+ bias[expert])) (* routing
         weight), one block of sorted pairs (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs
         share a token's row of x (the gate_up GEMM), or each pair has its own row (the down GEMM reads the
         activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row.
         PER_PAIR: no sorted layout; program (block of N, pair) computes that one pair's row (row 0 of its
         BLOCK_M), its expert read from block_expert_ptr, which then holds the routing ids, one per pair.
-        SWAP_AB: the same product computed transposed (the same sums; the tile layout differs)."""
+        SWAP_AB: the same product computed transposed (the same sums; the tile layout differs).
+        FAST_ACCUM: the K loop accumulates inside the dot (tl.dot's acc). The same sums for 16/32-bit operands
+        (Triton makes `acc += dot` into that anyway); for e4m3 x e4m3 on sm_90 it lets the FP8 tensor cores
+        accumulate the whole K in their reduced-precision accumulator (torch._scaled_mm's use_fast_accum),
+        where `acc += dot` adds each BLOCK_K's product into fp32."""
         pid = tl.program_id(0)
         if PER_PAIR:
             # The pairs of one block of N run side by side: pairs that share an expert share its tile in L2.
@@ -208,7 +214,10 @@ def _get_kernel():
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=pair_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
                 b = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                acc_t = tl.dot(b.to(a.dtype), a, acc_t)
+                if FAST_ACCUM:
+                    acc_t = tl.dot(b.to(a.dtype), a, acc_t)
+                else:
+                    acc_t += tl.dot(b.to(a.dtype), a)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
             acc = tl.trans(acc_t)
@@ -221,7 +230,10 @@ def _get_kernel():
                 a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
                 b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
                 # e4m3 A (W8A8): e4m3 x e4m3 on the FP8 tensor cores; else the weight in A's dtype. fp32 sums.
-                acc += tl.dot(a, b.to(a.dtype))
+                if FAST_ACCUM:
+                    acc = tl.dot(a, b.to(a.dtype), acc)
+                else:
+                    acc += tl.dot(a, b.to(a.dtype))
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
         if HAS_A_SCALE:

@@ -301,22 +301,27 @@ def test_triton_fused_moe_fp8_on_gpu_equals_torch_reference(tokens, experts, top
         assert _rel_err(out, ref) < 2e-2
 
 
-def _swapped_tiles(per_pair: bool, block_m: int = 16):
+def _swapped_tiles(per_pair: bool, block_m: int = 16, fast_accum: bool = False):
     """A tile configuration with the transposed product (SWAP_AB) in both GEMMs."""
     from kvserve.ops.fused_moe import _tiles
 
-    return _tiles(per_pair, block_m, 64, 32, 1, 4, 2, swap_ab=True)
+    return _tiles(per_pair, block_m, 64, 32, 1, 4, 2, swap_ab=True, fast_accum=fast_accum)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("per_pair,tokens", [(True, 2), (False, 13)], ids=["per-pair", "sorted"])
 @pytest.mark.parametrize("kind", ["fp32", "fp8", "fp8_w8a8"])
-def test_triton_fused_moe_swapped_product_equals_reference(per_pair, tokens, kind, monkeypatch):
-    """SWAP_AB computes C^T = B A^T: the same sums, so the same results as the reference, for both row layouts,
-    16/32-bit and fp8 experts, weight-only and W8A8."""
+@pytest.mark.parametrize("swap_ab,fast_accum", [(True, False), (True, True), (False, True)],
+                         ids=["swapped", "swapped-fast-accum", "fast-accum"])
+def test_triton_fused_moe_swapped_product_equals_reference(per_pair, tokens, kind, swap_ab, fast_accum,
+                                                            monkeypatch):
+    """SWAP_AB computes C^T = B A^T, FAST_ACCUM accumulates inside the dot: the same sums (exact in the
+    interpreter), so the same results as the reference, for both row layouts, 16/32-bit and fp8 experts,
+    weight-only and W8A8."""
     from kvserve.ops import fused_moe
 
-    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: _swapped_tiles(per_pair))
+    cfg = {**_swapped_tiles(per_pair, fast_accum=fast_accum), "SWAP_AB": swap_ab}
+    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: cfg)
     if kind == "fp32":
         x, w13, w2, weights, ids = _case(tokens, 8, 2, 64, 48, torch.float32)
         ref = fused_moe_torch(x, w13, w2, weights, ids)
@@ -334,12 +339,17 @@ def test_triton_fused_moe_swapped_product_equals_reference(per_pair, tokens, kin
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens,block_m", [(1, 16), (256, 32)], ids=["per-pair", "sorted"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8_w8a8"])
-def test_triton_fused_moe_swapped_product_on_gpu_equals_reference(tokens, block_m, kind, monkeypatch):
-    """The transposed product compiled (Hopper's warpgroup MMA with the weight tile on its tall side), at the
-    Qwen3-30B-A3B expert shape."""
+@pytest.mark.parametrize("swap_ab,fast_accum", [(True, False), (True, True), (False, True)],
+                         ids=["swapped", "swapped-fast-accum", "fast-accum"])
+def test_triton_fused_moe_swapped_product_on_gpu_equals_reference(tokens, block_m, kind, swap_ab, fast_accum,
+                                                                   monkeypatch):
+    """The transposed product compiled (Hopper's warpgroup MMA with the weight tile on its tall side), and the
+    accumulation inside the dot (for fp8: the tensor cores' reduced-precision accumulator over the whole K,
+    still within the W8A8 bound), at the Qwen3-30B-A3B expert shape."""
     from kvserve.ops import fused_moe
 
-    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: _swapped_tiles(tokens == 1, block_m))
+    cfg = {**_swapped_tiles(tokens == 1, block_m, fast_accum), "SWAP_AB": swap_ab}
+    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: cfg)
     if kind == "bf16":
         x, w13, w2, weights, ids = (t.cuda() for t in _case(tokens, 128, 8, 2048, 768, torch.bfloat16))
         ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
