@@ -39,8 +39,7 @@ def summary(distinct: list[int], outputs: list[list[int]], experts: int) -> dict
 
 
 def run_vllm(args, prompts) -> dict:
-    sys.path[:0] = [os.path.join(REPO, ".vllm")]
-    import vllm_bench  # the bundle's script: its shapes, model folder and environment
+    import vllm_bench  # the bundle's script (main put .vllm/ on the path): its shapes, model folder, environment
 
     vllm_bench._ensure_env()  # re-executes with the bundle on PYTHONPATH the first time
     os.makedirs(vllm_bench.MODEL_DIR, exist_ok=True)

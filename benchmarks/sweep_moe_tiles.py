@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from benchmarks.gpu_compare import set_attributes
 from benchmarks.gpu_moe import graph_time_ms
 from kvserve.ops.fused_moe import _tiles
 
@@ -81,34 +82,31 @@ def short(cfg: dict) -> str:
                    + (" swapped" if down.get("SWAP_AB") else "") if down else "")
 
 
-def timed_with(config_fn, call) -> tuple[float, torch.Tensor]:
-    from kvserve.ops import fused_moe
+GEMM_CONFIG = "kvserve.ops.fused_moe._gemm_config"
 
-    default = fused_moe._gemm_config
-    fused_moe._gemm_config = config_fn
+
+def timed(paths: dict, call) -> tuple[float, torch.Tensor]:
+    """(median ms of CUDA-graph replays, output) of call with the module attributes `paths` set."""
+    restore = set_attributes(paths)
     try:
         out = call()
         return graph_time_ms(call, iters=10), out
     finally:
-        fused_moe._gemm_config = default
+        set_attributes(restore)
 
 
-def with_switch(module, name: str, value, call, ref, failures, label: str) -> float | None:
-    """The same call with a module switch set (the current tile table otherwise), checked like a candidate."""
-    previous = getattr(module, name)
-    setattr(module, name, value)
+def checked_time(paths: dict, call, ref, failures: list, label: str) -> float | None:
+    """timed(), or None (with the reason in failures) where the call fails or its output strays from ref."""
     try:
-        out = call()
-        err = norm_rel_err(out, ref)
-        if not err < 1e-2:
-            failures.append(f"{label}: rel err {err:.4f}")
-            return None
-        return graph_time_ms(call, iters=10)
-    except Exception as exc:  # noqa: BLE001 - not capturable, or not supported here: say so, go on
+        ms, out = timed(paths, call)
+    except Exception as exc:  # noqa: BLE001 - a tile that does not fit, or a path not capturable here: go on
         failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:120]}")
         return None
-    finally:
-        setattr(module, name, previous)
+    err = norm_rel_err(out, ref)
+    if not err < 1e-2:
+        failures.append(f"{label}: rel err {err:.4f}")
+        return None
+    return ms
 
 
 def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
@@ -132,22 +130,15 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
                                                           quantize_activations=True))):
             weight_bytes = hit * 3 * hidden * inter * (2 if kind == "bf16" else 1)
             row = {"shape": label, "tokens": tokens, "kind": kind, "experts_hit": hit}
-            row["previous_ms"], _ = timed_with(previous_config, call)
-            row["current_ms"], ref = timed_with(fused_moe._gemm_config, call)
+            row["previous_ms"], _ = timed({GEMM_CONFIG: previous_config}, call)
+            row["current_ms"], ref = timed({}, call)
             row["current_config"] = short(fused_moe._gemm_config(pairs, experts, top_k, kind != "bf16"))
             best, failures = None, []
 
             def attempt(cfg):
                 nonlocal best
-                try:
-                    ms, out = timed_with(lambda *_, **__: cfg, call)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not fit or compile: say so, go on
-                    failures.append(f"{short(cfg)}: {type(exc).__name__}: {str(exc)[:80]}")
-                    return
-                err = norm_rel_err(out, ref)
-                if not err < 1e-2:
-                    failures.append(f"{short(cfg)}: rel err {err:.4f}")
-                elif best is None or ms < best[0]:
+                ms = checked_time({GEMM_CONFIG: lambda *_, **__: cfg}, call, ref, failures, short(cfg))
+                if ms is not None and (best is None or ms < best[0]):
                     best = (ms, cfg)
 
             for cfg in CANDIDATES:
@@ -160,13 +151,11 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
             if best is not None and kind != "bf16":  # fp8: the whole K in the tensor cores' accumulator
                 attempt({**best[1], "FAST_ACCUM": True, "DOWN": {**best[1]["DOWN"], "FAST_ACCUM": True}})
             row["best_ms"], row["best_config"] = (best[0], short(best[1])) if best else (None, None)
-            from kvserve.ops import moe_align, moe_grouped_mm
-
             # torch's grouped GEMM for the whole call; the parallel pair sort under the current tiles
-            row["grouped_mm_ms"] = with_switch(moe_grouped_mm, "MIN_TOKENS", 1, call, ref, failures,
-                                               "torch grouped GEMM")
-            row["parallel_sort_ms"] = with_switch(moe_align, "PARALLEL_ABOVE_PAIRS", 0, call, ref, failures,
-                                                  "parallel pair sort")
+            row["grouped_mm_ms"] = checked_time({"kvserve.ops.moe_grouped_mm.MIN_TOKENS": 1}, call, ref, failures,
+                                                "torch grouped GEMM")
+            row["parallel_sort_ms"] = checked_time({"kvserve.ops.moe_align.PARALLEL_ABOVE_PAIRS": 0}, call, ref,
+                                                   failures, "parallel pair sort")
             row["failures"] = failures
             row["best_weight_GBps"] = round(weight_bytes / best[0] / 1e6, 1) if best else None
             rows.append(row)

@@ -82,9 +82,8 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         down = down + w2_bias[sorted_expert]
     in_place = torch.empty_like(down)
     in_place[order] = down  # each pair's row back at its (token, k) place
-    weights = torch.where(flat >= 0, topk_weights.reshape(-1).float(), 0.0)
     in_place = torch.where((flat >= 0)[:, None], in_place.float(), 0.0)  # unwritten rows may hold NaN bits
-    return (in_place * weights[:, None]).view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return (in_place * topk_weights.reshape(-1, 1).float()).view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def _activate(gate_up: torch.Tensor, activation: ExpertActivation, quantize: bool):

@@ -301,11 +301,11 @@ def test_triton_fused_moe_fp8_on_gpu_equals_torch_reference(tokens, experts, top
         assert _rel_err(out, ref) < 2e-2
 
 
-def _swapped_tiles(per_pair: bool, block_m: int = 16, fast_accum: bool = False):
-    """A tile configuration with the transposed product (SWAP_AB) in both GEMMs."""
+def _option_tiles(per_pair: bool, block_m: int, swap_ab: bool, fast_accum: bool):
+    """A small tile configuration with the SWAP_AB / FAST_ACCUM options as given, in both GEMMs."""
     from kvserve.ops.fused_moe import _tiles
 
-    return _tiles(per_pair, block_m, 64, 32, 1, 4, 2, swap_ab=True, fast_accum=fast_accum)
+    return _tiles(per_pair, block_m, 64, 32, 1, 4, 2, swap_ab=swap_ab, fast_accum=fast_accum)
 
 
 @needs_interpreter
@@ -320,7 +320,7 @@ def test_triton_fused_moe_swapped_product_equals_reference(per_pair, tokens, kin
     weight-only and W8A8."""
     from kvserve.ops import fused_moe
 
-    cfg = {**_swapped_tiles(per_pair, fast_accum=fast_accum), "SWAP_AB": swap_ab}
+    cfg = _option_tiles(per_pair, 16, swap_ab, fast_accum)
     monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: cfg)
     if kind == "fp32":
         x, w13, w2, weights, ids = _case(tokens, 8, 2, 64, 48, torch.float32)
@@ -348,7 +348,7 @@ def test_triton_fused_moe_swapped_product_on_gpu_equals_reference(tokens, block_
     still within the W8A8 bound), at the Qwen3-30B-A3B expert shape."""
     from kvserve.ops import fused_moe
 
-    cfg = {**_swapped_tiles(tokens == 1, block_m, fast_accum), "SWAP_AB": swap_ab}
+    cfg = _option_tiles(tokens == 1, block_m, swap_ab, fast_accum)
     monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: cfg)
     if kind == "bf16":
         x, w13, w2, weights, ids = (t.cuda() for t in _case(tokens, 128, 8, 2048, 768, torch.bfloat16))
