@@ -107,7 +107,7 @@ def _prefill_batch(ctx: int, q_len: int, block_size: int = 16, heads: tuple[int,
 
 
 # (BLOCK_M, TILE_N, num_warps, num_stages) candidates; None: what the backend picks for that query length now
-# (launch_config: PREFILL_CONFIG, or LONG_PREFILL_CONFIG from LONG_PREFILL_MIN_QUERY tokens).
+# (launch_config: PREFILL_CONFIG, or (WIDE_HEAD_)LONG_PREFILL_CONFIG from LONG_PREFILL_MIN_QUERY tokens).
 PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2),
                    (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                    (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)]  # the last three for head_dim 256
@@ -128,7 +128,7 @@ def prefill(rows_out: list) -> None:
     for label, heads, window, cases in PREFILL_SHAPES:
         h, _, d = heads
         for ctx, q_len in cases:
-            current = TritonAttentionBackend().launch_config(q_len)
+            current = TritonAttentionBackend().launch_config(q_len, d)
             q, k, v, cache, meta = _prefill_batch(ctx, q_len, heads=heads)
             scale = d ** -0.5
             # causal FLOPs: 2 GEMMs x 2 flops x heads x d x (keys each query sees, within the window)
@@ -138,7 +138,8 @@ def prefill(rows_out: list) -> None:
             case = f"{label}: ctx {ctx} + {q_len}"
             for config in PREFILL_CONFIGS:
                 backend = TritonAttentionBackend()
-                backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = config or current
+                backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (
+                    config or current)
                 run = lambda: backend.forward(q, k, v, cache, meta, scale, sliding_window=window)  # noqa: E731
                 try:
                     out = run().float()

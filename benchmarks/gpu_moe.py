@@ -229,9 +229,23 @@ def grouped_mm_paths(min_tokens: int) -> dict:
     return {"kvserve.ops.moe_grouped_mm.MIN_TOKENS": min_tokens}
 
 
+def zero_routers(model: torch.nn.Module) -> int:
+    """Zero every MoE router's weights in place (CUDA graphs replay on the same memory): all logits 0, so the
+    routing's ties send every token to the same top_k experts, as vLLM 0.26.0's fp8 dummy model
+    routes (benchmarks/moe_routing_spread.py measured 8 distinct experts of 128 in every step and layer there).
+    Returns how many routers were zeroed."""
+    from kvserve.model.moe import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.gate.weight.data.zero_()
+    return len(blocks)
+
+
 def engine(results: dict, num_requests: int, quantization: str | None, args, variant: str = "",
-           paths: dict | None = None) -> None:
-    """variant: the label's suffix of a run with `paths` (module attributes) set, e.g. "previous"."""
+           paths: dict | None = None, zero_router: bool = False) -> None:
+    """variant: the label's suffix of a run with `paths` (module attributes) set, e.g. "previous";
+    zero_router: the run routes as vLLM's fp8 dummy model does (zero_routers)."""
     from benchmarks.gpu_compare import set_attributes
     from kvserve import LLM
 
@@ -244,6 +258,8 @@ def engine(results: dict, num_requests: int, quantization: str | None, args, var
               quantization=quantization)
     results[f"{label}_start_to_ready_s"] = round(time.perf_counter() - t, 1)
     results[f"{label}_weights_GiB"] = round(llm.llm_engine.executor.worker.weights_bytes / (1 << 30), 2)
+    if zero_router:
+        results[f"{label}_routers_zeroed"] = zero_routers(llm.llm_engine.executor.worker.runner.model)
     reqs = w1_requests()[:num_requests]
     run_kvserve(llm, [(p, 16) for p, _ in reqs[:8]], f"{label}_warmup", results)
     run_kvserve(llm, [batch1_request()], f"{label}_batch1", results)
@@ -278,6 +294,11 @@ def main():
                                                              "paths (previous_paths) for a same-command ratio")
     ap.add_argument("--grouped-mm-min-tokens", type=int, help="also run each engine configuration with steps of "
                     "at least this many tokens through torch's grouped GEMM (grouped_mm_paths)")
+    ap.add_argument("--zero-router", action="store_true", help="also run each engine configuration with every "
+                    "router zeroed (zero_routers): every token to the same top_k experts, as vLLM's fp8 dummy model "
+                    "routes")
+    ap.add_argument("--variants-only", action="store_true", help="run only the variants asked for (--previous, "
+                    "--grouped-mm-min-tokens, --zero-router), not this tree's paths as they are")
     ap.add_argument("--vllm-dir", help="where vLLM's runs of the same shape left vllm_bench_moe_bf16.json and "
                                        "vllm_bench_moe_fp8.json (the bundle's vllm_bench.py --shape qwen3-30b-a3b "
                                        "--tag _moe_bf16, and --extra '{\"quantization\": \"fp8\"}' --tag _moe_fp8)")
@@ -294,10 +315,13 @@ def main():
         for quantization in [None if q == "bf16" else q for q in args.configs.split(",")]:
             if args.previous:
                 engine(results, args.num_requests, quantization, args, "previous", previous_paths())
-            engine(results, args.num_requests, quantization, args)
+            if not args.variants_only:
+                engine(results, args.num_requests, quantization, args)
             if args.grouped_mm_min_tokens is not None:
                 engine(results, args.num_requests, quantization, args, "grouped_mm",
                        grouped_mm_paths(args.grouped_mm_min_tokens))
+            if args.zero_router:
+                engine(results, args.num_requests, quantization, args, "zero_router", zero_router=True)
     vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -346,6 +370,13 @@ def main():
             print(f"| {label}, {name} (this command) | {other['output_tok_s']} | {other_b1['output_tok_s']} | | | "
                   f"this tree / {name}: W1 {now['output_tok_s'] / other['output_tok_s']:.3f}x, batch-1 "
                   f"{now_b1['output_tok_s'] / other_b1['output_tok_s']:.3f}x |")
+    for label in ("bf16", "fp8"):
+        if f"{label}_zero_router_w1" in results:
+            w, b, v = results[f"{label}_zero_router_w1"], results[f"{label}_zero_router_batch1"], vllm.get(label)
+            versus = (f"{w['output_tok_s'] / v['vllm_offline_out_tok_per_s']:.2f}x, "
+                      f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "vLLM not run")
+            print(f"| {label}, routers zeroed ({results[f'{label}_routers_zeroed']}: every token to experts "
+                  f"0..top_k-1) | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | | | | {versus} |")
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")
     raise SystemExit(0 if ok else 1)

@@ -78,8 +78,9 @@ def short(cfg: dict) -> str:
         str(cfg.get(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"))
     text += (" swapped" if cfg.get("SWAP_AB") else "") + (" fast-accum" if cfg.get("FAST_ACCUM") else "")
     down = cfg.get("DOWN") or {}
-    return text + (" down " + "/".join(str(down[k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
-                   + (" swapped" if down.get("SWAP_AB") else "") if down else "")
+    shown = "/".join(str(down[k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if k in down)
+    return text + (" down " + shown + (" swapped" if down.get("SWAP_AB") else "")
+                   + (" fast-accum" if down.get("FAST_ACCUM") else "") if down else "")
 
 
 GEMM_CONFIG = "kvserve.ops.fused_moe._gemm_config"

@@ -399,12 +399,14 @@ class TritonAttentionBackend:
     # Launch configurations: (BLOCK_M rows, TILE_N keys per inner step, num_warps, num_stages).
     # BLOCK_M is raised to the GQA group size where that is larger.
     PREFILL_CONFIG = (64, 32, 4, 2)  # unified kernel, batches with a query longer than 1
-    # Steps with a query of at least LONG_PREFILL_MIN_QUERY tokens (long prompts: W2, TTFT at 8k), where the
-    # attention's FLOPs grow with the square of the prompt: bigger tiles (32 tokens x a GQA group of 4 rows,
-    # 64 keys a step, two warpgroups) do twice the tensor-core work per K/V tile read. A first choice by
-    # reasoning, to be placed by benchmarks/ab_kernels.py's prefill sweep on the GPU.
-    LONG_PREFILL_CONFIG = (128, 64, 8, 2)
-    LONG_PREFILL_MIN_QUERY = 4096
+    # Steps with a 16-bit query of at least LONG_PREFILL_MIN_QUERY tokens (long prompts and their chunks: W2,
+    # TTFT at 8k), where the attention's FLOPs grow with the square of the prompt: bigger tiles do more
+    # tensor-core work per K/V tile read; heads wider than 128 (Gemma's 256) take two warpgroups for their rows.
+    # Placed by benchmarks/ab_kernels.py's prefill sweep on the H200 (BENCHMARKS.md). fp32 keeps PREFILL_CONFIG:
+    # its three-stage tiles would not fit in shared memory.
+    LONG_PREFILL_CONFIG = (128, 64, 4, 3)
+    WIDE_HEAD_LONG_PREFILL_CONFIG = (128, 64, 8, 3)
+    LONG_PREFILL_MIN_QUERY = 2048
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
     # Split-KV: each split gets at least this many keys, and at most this many splits.
@@ -438,11 +440,15 @@ class TritonAttentionBackend:
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
 
-    def launch_config(self, max_query_len: int) -> tuple[int, int, int, int]:
-        """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query."""
+    def launch_config(self, max_query_len: int, head_dim: int = 128,
+                      dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
+        """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query, the heads'
+        width and the query's dtype."""
         if max_query_len == 1:
             return self.DECODE_CONFIG
-        return self.LONG_PREFILL_CONFIG if max_query_len >= self.LONG_PREFILL_MIN_QUERY else self.PREFILL_CONFIG
+        if max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2:
+            return self.PREFILL_CONFIG
+        return self.WIDE_HEAD_LONG_PREFILL_CONFIG if head_dim > 128 else self.LONG_PREFILL_CONFIG
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -505,7 +511,7 @@ class TritonAttentionBackend:
             )
             return out
 
-        cfg = self.launch_config(meta.max_query_len)
+        cfg = self.launch_config(meta.max_query_len, head_dim, q.dtype)
         block_m, tile_n, warps, stages = cfg
         block_m = max(block_m, _next_pow2(g))
         block_q = block_m // g
