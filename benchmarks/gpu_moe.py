@@ -375,7 +375,7 @@ def main():
             w, b, v = results[f"{label}_zero_router_w1"], results[f"{label}_zero_router_batch1"], vllm.get(label)
             versus = (f"{w['output_tok_s'] / v['vllm_offline_out_tok_per_s']:.2f}x, "
                       f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "vLLM not run")
-            print(f"| {label}, routers zeroed ({results[f'{label}_routers_zeroed']}: every token to experts "
+            print(f"| {label}, routers zeroed ({results[f'{label}_zero_router_routers_zeroed']}: every token to experts "
                   f"0..top_k-1) | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | | | | {versus} |")
     ok = all(checks.values())
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'} {checks}")

@@ -142,13 +142,15 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
                 if ms is not None and (best is None or ms < best[0]):
                     best = (ms, cfg)
 
+            swap_ok = kind == "bf16"  # the transposed product takes 16-bit operands only (fused_moe._grouped_gemm)
             for cfg in CANDIDATES:
-                if not cfg["PER_PAIR"] or pairs <= 64:
+                if (not cfg["PER_PAIR"] or pairs <= 64) and (swap_ok or not cfg["SWAP_AB"]):
                     attempt(cfg)
             if best is not None:
                 layout = best[1]
                 for down in DOWN_CANDIDATES:
-                    attempt({**layout, "DOWN": down})
+                    if swap_ok or not down["SWAP_AB"]:
+                        attempt({**layout, "DOWN": down})
             if best is not None and kind != "bf16":  # fp8: the whole K in the tensor cores' accumulator
                 attempt({**best[1], "FAST_ACCUM": True, "DOWN": {**best[1]["DOWN"], "FAST_ACCUM": True}})
             row["best_ms"], row["best_config"] = (best[0], short(best[1])) if best else (None, None)

@@ -169,7 +169,7 @@ def _get_kernel():
         activated pairs). HAS_A_SCALE (W8A8): A is e4m3 with one float32 scale per row.
         PER_PAIR: no sorted layout; program (block of N, pair) computes that one pair's row (row 0 of its
         BLOCK_M), its expert read from block_expert_ptr, which then holds the routing ids, one per pair.
-        SWAP_AB: the same product computed transposed (the same sums; the tile layout differs).
+        SWAP_AB: the same product computed transposed (the same sums; the tile layout differs); 16-bit A only.
         FAST_ACCUM: the K loop accumulates inside the dot (tl.dot's acc). The same sums for 16/32-bit operands
         (Triton makes `acc += dot` into that anyway); for e4m3 x e4m3 on sm_90 it lets the FP8 tensor cores
         accumulate the whole K in their reduced-precision accumulator (torch._scaled_mm's use_fast_accum),
@@ -261,6 +261,10 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
     n, k = b.shape[1], b.shape[2]
     capacity = sorted_pairs.numel()
     cfg = {k: v for k, v in cfg.items() if k != "DOWN"}
+    if cfg["SWAP_AB"] and a.element_size() == 1:
+        # Compiled for sm_90 (Triton 3.6), e4m3 x e4m3 with the rows of pairs as the MMA's narrow side gave wrong
+        # sums on the H200 (BENCHMARKS.md, 2026-12-03): the transposed product serves 16-bit operands only.
+        raise ValueError("SWAP_AB tiles take 16-bit operands only: W8A8 (e4m3 activations) needs SWAP_AB=False")
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     blocks_m = num_pairs if cfg["PER_PAIR"] else triton.cdiv(capacity, block_m)
     grid = (blocks_m * triton.cdiv(n, block_n),)
