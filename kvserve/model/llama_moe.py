@@ -12,7 +12,9 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.moe import FusedMoE
 
 # HF's per-expert tensors (as save_pretrained writes them): layers.N.mlp.experts.E.{gate,up,down}_proj.weight
-_EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# and, in fp8 checkpoints, their .weight_scale and .input_scale.
+_EXPERT_TENSOR = re.compile(
+    r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale|input_scale)$")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -20,9 +22,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_TENSOR.match(name)
         if match is None:
             return super()._load_one(params, name, tensor)
-        module, expert, shard = match.groups()
+        module, expert, shard, kind = match.groups()
         target = f"{module}.{'w2_weight' if shard == 'down' else 'w13_weight'}"
         experts: FusedMoE = self.get_submodule(module)
+        if kind != "weight":
+            scale = f"{target}_scale"
+            if scale not in params:
+                raise ValueError(f"checkpoint tensor {name!r}: kvserve holds these experts unquantized; does the "
+                                 f"checkpoint's quantization_config say they are fp8?")
+            if kind == "weight_scale":  # input_scale: activations are quantized per token (Fp8CheckpointMoEMethod)
+                experts.weight_loader(params[scale], tensor, shard, int(expert))
+            return scale
         if experts.weight_loader(params[target], tensor, shard, int(expert)):
             experts.loaded_shards.add((int(expert), shard))
         return target

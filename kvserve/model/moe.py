@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_parallel_state, tensor_parallel_all_reduce
-from kvserve.model.layers import ReplicatedLinear, _copy_into, use_fused_kernels
+from kvserve.model.layers import ReplicatedLinear, _copy_into, as_tensor, use_fused_kernels
 from kvserve.model.model_config import ModelConfig
 from kvserve.ops.fused_moe import SILU, ExpertActivation
 
@@ -164,6 +164,9 @@ class FusedMoE(nn.Module):
         if not self.is_local(expert):
             return False
         size = self.intermediate
+        if param is getattr(self, "w13_weight_scale", None) or param is getattr(self, "w2_weight_scale", None):
+            self._load_scale(param, as_tensor(loaded).float(), shard, local, expert)
+            return True
         if param is self.w2_bias:  # [H]: summed over the ranks' partial outputs, so added on one rank only
             _copy_into(param.data[local], loaded if self.tp_rank == 0 else torch.zeros(loaded.shape),
                        f"expert {expert} down bias")
@@ -178,6 +181,27 @@ class FusedMoE(nn.Module):
             target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
             _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
         return True
+
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, local: int, expert: int) -> None:
+        """An fp8 expert's weight_scale: one per tensor (spread over this rank's rows of it) or one per output
+        channel ([N] or [N, 1]: this rank's rows). The down projection's rows (the hidden size) are not split."""
+        what = f"expert {expert} {shard} weight_scale"
+        rows = loaded.reshape(-1)
+        if shard == "down":
+            target = param.data[local]
+        else:
+            size = self.intermediate
+            target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
+            if rows.numel() > 1:
+                if rows.numel() != size * self.tp_size:
+                    raise ValueError(f"{what}: {rows.numel()} scales for {size * self.tp_size} rows; expected one per "
+                                     f"tensor or one per output channel")
+                rows = rows.narrow(0, self.tp_rank * size, size)
+        if rows.numel() == 1:
+            target.fill_(rows.item())
+        else:
+            _copy_into(target, rows, what)
 
 
 class SparseMoeBlock(nn.Module):

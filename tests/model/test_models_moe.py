@@ -211,11 +211,81 @@ def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 
 
-def test_fp8_checkpoint_experts_are_refused_with_the_alternative():
-    from kvserve.model.quantization.fp8 import Fp8Config
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_weights(moe_model, arch, method,
+                                                                                         tmp_path):
+    """An fp8 checkpoint (HF fp8: one scale per tensor; compressed-tensors: one per output channel) with e4m3
+    experts, attention and dense / shared MLPs: loaded as stored, not requantized; HF on the dequantized weights
+    is the oracle."""
+    import json
+    import re
+    import shutil
 
-    with pytest.raises(ValueError, match="bf16 checkpoint with --quantization fp8"):
-        Fp8Config(checkpoint_is_fp8=True).get_moe_method("layers.0.mlp.experts")
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from tests.quant_utils import quant_config_for, quantize_fp8
+
+    path, _ = moe_model(arch)
+    weights = load_file(f"{path}/model.safetensors")
+    stored, dequantized = {}, {}
+    for name, w in weights.items():
+        stored[name] = dequantized[name] = w
+        if re.search(r"(_proj|\.w[123])\.weight$", name):  # not the routers, norms, embedding or head
+            q, scale, deq = quantize_fp8(w, per_channel=method == "compressed-tensors")
+            stored[name], stored[name[: -len("weight")] + "weight_scale"] = q, scale
+            dequantized[name] = deq
+    qdir, ddir = tmp_path / "fp8", tmp_path / "dequantized"
+    for out, tensors in ((qdir, stored), (ddir, dequantized)):
+        shutil.copytree(path, out)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"] = quant_config_for(method, per_channel=True)
+    (qdir / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    prompts = random_prompts(4, 1, 60, seed=5)
+    llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    experts = llm.llm_engine.executor.runner.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
+    first = next(n for n in stored if re.search(r"experts\.0\.(gate_proj|w1)\.weight$", n))
+    assert torch.equal(experts.w13_weight[0, :experts.intermediate].view(torch.uint8),
+                       stored[first].view(torch.uint8))  # the checkpoint's bytes, not requantized
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_expert_scales_land_on_this_ranks_rows(monkeypatch, expert_parallel, per_channel):
+    """At TP rank 1 of 2: split experts take their half of each gate / up scale's rows, whole experts (expert
+    parallelism) all of them; a per-tensor scale covers every row of its projection."""
+    from kvserve.distributed import parallel_state
+    from kvserve.model.moe import FusedMoE
+    from kvserve.model.quantization.fp8_moe import Fp8CheckpointMoEMethod
+
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=1, world_size=2, tp_size=2, expert_parallel=expert_parallel))
+    moe = FusedMoE(num_experts=4, hidden=8, intermediate=6, quant_method=Fp8CheckpointMoEMethod())
+    expert, inter = 3, moe.intermediate
+    scales = {shard: (torch.arange(n, dtype=torch.float32) + 10 * (k + 1))[:, None] if per_channel
+              else torch.tensor(float(k + 1)) for k, (shard, n) in enumerate((("gate", 6), ("up", 6), ("down", 8)))}
+    for shard, scale in scales.items():
+        param = moe.w2_weight_scale if shard == "down" else moe.w13_weight_scale
+        assert moe.weight_loader(param, scale, shard, expert)
+    local = expert - moe.first_expert
+    rows = slice(0, 6) if expert_parallel else slice(3, 6)  # rank 1's features when each expert is split
+    for shard, offset in (("gate", 0), ("up", inter)):
+        want = scales[shard].reshape(-1)[rows] if per_channel else scales[shard].expand(inter)
+        assert torch.equal(moe.w13_weight_scale[local, offset:offset + inter], want)
+    want = scales["down"].reshape(-1) if per_channel else scales["down"].expand(8)
+    assert torch.equal(moe.w2_weight_scale[local], want)
+    with pytest.raises(ValueError, match="expected one per tensor or one per output channel"):
+        moe.weight_loader(moe.w13_weight_scale, torch.ones(5, 1), "gate", expert)
+
+
+def test_quantized_int_checkpoint_experts_are_refused_with_the_alternative():
     from kvserve.model.quantization.awq import AWQConfig
 
     with pytest.raises(ValueError, match="mixture-of-experts"):

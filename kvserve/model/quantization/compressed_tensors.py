@@ -54,3 +54,10 @@ class CompressedTensorsConfig(QuantizationConfig):
             return None
         return Fp8LinearMethod(checkpoint_is_fp8=True, weight_strategy=self.weight_strategy,
                                static_input=self.static_input)
+
+    def get_moe_method(self, prefix):
+        if self.skipped(prefix, self.ignore):
+            return None
+        from kvserve.model.quantization.fp8_moe import Fp8CheckpointMoEMethod
+
+        return Fp8CheckpointMoEMethod()

@@ -88,13 +88,9 @@ class Fp8Config(QuantizationConfig):
     def get_moe_method(self, prefix):
         if self.skipped(prefix, self.ignored_layers):
             return None
-        if self.checkpoint_is_fp8:
-            raise ValueError(f"fp8: this checkpoint's mixture-of-experts weights ({prefix}) are stored in fp8, which "
-                             f"kvserve cannot load for experts yet; serve the bf16 checkpoint with --quantization fp8 "
-                             f"(quantizes every expert at load).")
-        from kvserve.model.quantization.fp8_moe import Fp8MoEMethod
+        from kvserve.model.quantization.fp8_moe import Fp8CheckpointMoEMethod, Fp8MoEMethod
 
-        return Fp8MoEMethod()
+        return Fp8CheckpointMoEMethod() if self.checkpoint_is_fp8 else Fp8MoEMethod()
 
 
 class Fp8LinearMethod(LinearMethodBase):

@@ -70,3 +70,25 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
 
     def quantizes_activations(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return layer.fp8_dot and fp8_moe_path(x.shape[0]).kernel == "w8a8"
+
+
+class Fp8CheckpointMoEMethod(Fp8MoEMethod):
+    """Experts stored in e4m3 by the checkpoint (HF fp8 / AutoFP8: one float32 weight_scale per expert and
+    projection; compressed-tensors: per tensor, or per output channel [N, 1]), loaded as they are: each scale is
+    spread over its rows (FusedMoE.weight_loader), so the kernels are those of `--quantization fp8`. Activations are
+    quantized per token; a static checkpoint's input_scale tensors are read and not used (per-token scales are at
+    least as fine)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       params_dtype: torch.dtype) -> None:
+        fp8 = torch.float8_e4m3fn
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=fp8),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=fp8), requires_grad=False)
+        layer.w13_weight_scale = nn.Parameter(torch.ones(num_experts, 2 * intermediate, dtype=torch.float32),
+                                              requires_grad=False)
+        layer.w2_weight_scale = nn.Parameter(torch.ones(num_experts, hidden, dtype=torch.float32),
+                                             requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.fp8_dot = fp8_dot_available(layer.w13_weight)
