@@ -243,17 +243,18 @@ def zero_routers(model: torch.nn.Module) -> int:
 
 
 def engine(results: dict, num_requests: int, quantization: str | None, args, variant: str = "",
-           paths: dict | None = None, zero_router: bool = False) -> None:
+           paths: dict | None = None, zero_router: bool = False, checkpoint: str | None = None) -> None:
     """variant: the label's suffix of a run with `paths` (module attributes) set, e.g. "previous";
-    zero_router: the run routes as vLLM's fp8 dummy model does (zero_routers)."""
+    zero_router: the run routes as vLLM's fp8 dummy model does (zero_routers); checkpoint: the model read from
+    this HF directory (benchmarks/write_random_checkpoint.py), labelled "checkpoint", instead of dummy weights."""
     from benchmarks.gpu_compare import set_attributes
     from kvserve import LLM
 
-    label = (quantization or "bf16") + (f"_{variant}" if variant else "")
+    label = ("checkpoint" if checkpoint else quantization or "bf16") + (f"_{variant}" if variant else "")
     restore = set_attributes(paths or {})
-    path = write_config(QWEN3_30B_A3B)
+    path = checkpoint or write_config(QWEN3_30B_A3B)
     t = time.perf_counter()
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+    llm = LLM(path, load_format="auto" if checkpoint else "dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               quantization=quantization)
     results[f"{label}_start_to_ready_s"] = round(time.perf_counter() - t, 1)
@@ -273,7 +274,7 @@ def engine(results: dict, num_requests: int, quantization: str | None, args, var
 def load_vllm(directory: str | None) -> dict:
     """vLLM's results on the same shape and requests, by configuration; each checked to be the same workload."""
     out = {}
-    for label in ("bf16", "fp8"):
+    for label in ("bf16", "fp8", "checkpoint"):
         path = os.path.join(directory or "", f"vllm_bench_moe_{label}.json")
         if directory and os.path.exists(path):
             with open(path) as f:
@@ -299,6 +300,10 @@ def main():
                     "routes")
     ap.add_argument("--variants-only", action="store_true", help="run only the variants asked for (--previous, "
                     "--grouped-mm-min-tokens, --zero-router), not this tree's paths as they are")
+    ap.add_argument("--checkpoint", help="also run the model of this HF directory (benchmarks/"
+                    "write_random_checkpoint.py --shape qwen3-30b-a3b), labelled checkpoint; vLLM's run of it: "
+                    "vllm_bench.py --shape qwen3-30b-a3b --extra '{\"model\": DIR, \"load_format\": \"auto\"}' "
+                    "--tag _moe_checkpoint")
     ap.add_argument("--vllm-dir", help="where vLLM's runs of the same shape left vllm_bench_moe_bf16.json and "
                                        "vllm_bench_moe_fp8.json (the bundle's vllm_bench.py --shape qwen3-30b-a3b "
                                        "--tag _moe_bf16, and --extra '{\"quantization\": \"fp8\"}' --tag _moe_fp8)")
@@ -322,6 +327,8 @@ def main():
                        grouped_mm_paths(args.grouped_mm_min_tokens))
             if args.zero_router:
                 engine(results, args.num_requests, quantization, args, "zero_router", zero_router=True)
+        if args.checkpoint:
+            engine(results, args.num_requests, None, args, checkpoint=args.checkpoint)
     vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -349,10 +356,10 @@ def main():
         print(f"\n| parity (small Qwen3-MoE, bf16) | identical vs HF {p['identical_vs_hf']}/8; splits at HF top-2 "
               f"margins {[r['hf_top2_logit_margin_at_split'] for r in p['vs_hf'] if not r['identical']]}; graphs == "
               f"eager {p['graphs_equal_eager']}; chunked identical {p['chunked_identical_vs_hf']}/8 |")
-    print("\n| Qwen3-30B-A3B shape, dummy weights | W1 output tok/s (s) | batch-1 tok/s | weights GiB | start (s) "
-          "| vLLM W1 / batch-1 tok/s | kvserve / vLLM W1, batch-1 (target >= 1.00x) |")
+    print("\n| Qwen3-30B-A3B shape, dummy weights (checkpoint: --checkpoint's) | W1 output tok/s (s) | batch-1 tok/s "
+          "| weights GiB | start (s) | vLLM W1 / batch-1 tok/s | kvserve / vLLM W1, batch-1 (target >= 1.00x) |")
     print("|---|---|---|---|---|---|---|")
-    for label in ("bf16", "fp8"):
+    for label in ("bf16", "fp8", "checkpoint"):
         if f"{label}_w1" in results:
             w, b = results[f"{label}_w1"], results[f"{label}_batch1"]
             v = vllm.get(label)

@@ -10,6 +10,7 @@ greedy, 32 output tokens each, all running at once):
     # GPU machine, after the vLLM bundle is unpacked (bash .vllm/install.sh)
     OUT=$OUT python3 benchmarks/moe_routing_spread.py --engine vllm [--quantization fp8]
     OUT=$OUT PYTHONPATH=. python3 benchmarks/moe_routing_spread.py --engine kvserve [--quantization fp8]
+    # both on the same weights: --checkpoint DIR (benchmarks/write_random_checkpoint.py), e.g. an fp8 one
 
 vLLM: `enable_return_routed_experts=True` returns each request's experts per position and layer; the decode
 step of output position j is approximated by the requests' j-th output positions together. kvserve: the
@@ -49,7 +50,8 @@ def run_vllm(args, prompts) -> dict:
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=vllm_bench.MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    kw = dict(model=args.checkpoint or vllm_bench.MODEL_DIR, load_format="auto" if args.checkpoint else "dummy",
+              skip_tokenizer_init=True, dtype="bfloat16",
               gpu_memory_utilization=0.90, max_model_len=4096, seed=0, enforce_eager=True,
               enable_return_routed_experts=True)
     if args.quantization:
@@ -86,7 +88,8 @@ def run_kvserve(args, prompts) -> dict:
         return weights, ids
 
     moe.select_experts = recording
-    llm = LLM(write_config(QWEN3_30B_A3B), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(args.checkpoint or write_config(QWEN3_30B_A3B), load_format="auto" if args.checkpoint else "dummy",
+              skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=4096, enforce_eager=True, quantization=args.quantization)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(OUTPUT_TOKENS), use_tqdm=False)
     llm.llm_engine.shutdown()
@@ -98,6 +101,8 @@ def main():
     ap.add_argument("--engine", choices=["vllm", "kvserve"], required=True)
     ap.add_argument("--quantization", default=None, help="fp8, or none for bf16")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--checkpoint", help="read this HF directory (benchmarks/write_random_checkpoint.py) instead "
+                                         "of dummy weights; its quantization_config decides the format")
     args = ap.parse_args()
     sys.path[:0] = [os.path.join(REPO, ".vllm")]
     import vllm_bench  # importing it needs no vllm
@@ -108,7 +113,7 @@ def main():
                   output_tokens=OUTPUT_TOKENS)
     print(json.dumps(result), flush=True)
     if os.environ.get("OUT"):
-        name = f"moe_routing_{args.engine}_{result['quantization']}.json"
+        name = f"moe_routing_{args.engine}_{'checkpoint' if args.checkpoint else result['quantization']}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=1)
 
