@@ -1,13 +1,17 @@
 """Where time to first token goes on the GPU: one prompt of 128 (and 2,048) tokens, max_tokens=1, on the
-W1 model (Llama-3.1-8B shape, dummy bf16 weights). Prints LLM.generate's TTFT (best of 5), the engine
-step alone, and torch.profiler's GPU busy time against the step's wall time (the gap is host overhead).
+W1 model (Llama-3.1-8B shape, dummy bf16 weights), or with --model gemma3 W2's model (Gemma-3-12B text shape:
+windowed and global layers) at W2's step budget. Prints LLM.generate's TTFT (best of 5), the engine step alone,
+torch.profiler's GPU busy time against the step's wall time (the gap is host overhead), and the GPU time by
+kind of kernel (GEMM, attention, norms, the rest).
 
-    PYTHONUNBUFFERED=1 python benchmarks/profile_prefill.py
+    PYTHONUNBUFFERED=1 python benchmarks/profile_prefill.py [--model w1|gemma3] [--tokens 128,2048]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import re
 import time
 
 import torch
@@ -55,16 +59,40 @@ def profile_step(llm, ids, label):
     print(f"\n== {label}: wall {wall * 1e3:.2f} ms, GPU busy {gpu * 1e3:.2f} ms, {launches} kernels ==")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    kinds: dict[str, float] = {}
+    for e in cuda:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+    print("GPU ms by kind:", {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])})
     return wall, gpu, launches
+
+
+# Kernel names by kind: cuBLAS / CUTLASS GEMMs, kvserve's Triton attention, norms, and everything else.
+KINDS = (("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|scaled_mm"), ("attention", r"attention|_attn"),
+         ("norm", r"rms|norm"), ("activation", r"silu|gelu|act_and_mul"), ("rotary", r"rotary|rope"),
+         ("kv write", r"reshape_and_cache|cache_write"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def main():
     from kvserve import LLM
 
-    llm = LLM(write_config(W1_CONFIG), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["w1", "gemma3"], default="w1")
+    ap.add_argument("--tokens", default="128,2048", help="prompt lengths, comma-separated")
+    args = ap.parse_args()
+    if args.model == "gemma3":
+        from kvserve.bench.datasets import W2_MAX_MODEL_LEN, write_w2_config
+
+        path, max_len = write_w2_config(), W2_MAX_MODEL_LEN
+    else:
+        path, max_len = write_config(W1_CONFIG), 4096
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=max_len, max_num_seqs=256, max_num_batched_tokens=16384)
     rows = []
-    for n in (128, 2048):
+    for n in (int(t) for t in args.tokens.split(",")):
         ids = prompt(n)
         ttft(llm, ids, repeats=2)  # warm-up (JIT)
         best = ttft(llm, ids)
