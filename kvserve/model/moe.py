@@ -182,7 +182,6 @@ class FusedMoE(nn.Module):
             _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
         return True
 
-
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, local: int, expert: int) -> None:
         """An fp8 expert's weight_scale: one per tensor (spread over this rank's rows of it) or one per output
         channel ([N] or [N, 1]: this rank's rows). The down projection's rows (the hidden size) are not split."""

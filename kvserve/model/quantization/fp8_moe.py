@@ -76,8 +76,8 @@ class Fp8CheckpointMoEMethod(Fp8MoEMethod):
     """Experts stored in e4m3 by the checkpoint (HF fp8 / AutoFP8: one float32 weight_scale per expert and
     projection; compressed-tensors: per tensor, or per output channel [N, 1]), loaded as they are: each scale is
     spread over its rows (FusedMoE.weight_loader), so the kernels are those of `--quantization fp8`. Activations are
-    quantized per token; a static checkpoint's input_scale tensors are read and not used (per-token scales are at
-    least as fine)."""
+    quantized per token; a static checkpoint's input_scale tensors are accepted and not used (per-token scales are
+    at least as fine)."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
                        params_dtype: torch.dtype) -> None:
