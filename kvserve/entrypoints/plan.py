@@ -89,7 +89,10 @@ def plan_inputs_from_namespace(ns: argparse.Namespace) -> memory_plan.PlanInputs
         tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1) or 1,
         pipeline_parallel_size=getattr(ns, "pipeline_parallel_size", 1) or 1,
         enable_expert_parallel=bool(getattr(ns, "enable_expert_parallel", False)),
-        quantization=quant, enforce_eager=config.args.enforce_eager,
+        # --quantization asks how the model would fit so (computed); else the checkpoint's own format.
+        **(dict(quantization=quant, quantized_at_load=True) if quant is not None
+           else memory_plan.weights_format(config.quant_config)),
+        enforce_eager=config.args.enforce_eager,
         kv_cache_memory_bytes=config.args.kv_cache_memory_bytes,
         num_gpu_blocks_override=config.args.num_gpu_blocks_override, total_gpu_bytes=total,
         others_bytes=int(ns.others_gib * GiB), checkpoint_weights=checkpoint,

@@ -29,6 +29,18 @@ QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
 
 
+def weights_format(quant_config) -> dict:
+    """PlanInputs' quantization fields for the engine's resolved quantization (a QuantizationConfig, or None):
+    quantization in the terms weight_bytes counts ("fp8": one byte a weight, as fp8, compressed-tensors and
+    8-bit GPTQ store it; "awq" / "gptq": int4 with group scales; None: the serving dtype, also for weights
+    dequantized at load such as MXFP4), and whether the weights are quantized at load (then the checkpoint's
+    bytes are not what the GPU holds)."""
+    if quant_config is None or quant_config.bits_per_weight >= 16:
+        return dict(quantization=None, quantized_at_load=False)
+    name = quant_config.name if getattr(quant_config, "bits", 8) == 4 else "fp8"
+    return dict(quantization=name, quantized_at_load=getattr(quant_config, "checkpoint_is_fp8", True) is False)
+
+
 def kv_cache_dtype_bytes(kv_cache_dtype: str | None, model_dtype: str) -> int:
     """'auto' stores K/V in the model's dtype; 'fp8' in one byte."""
     if kv_cache_dtype in (None, "auto"):
@@ -401,7 +413,8 @@ class PlanInputs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    quantization: str | None = None
+    quantization: str | None = None  # how the linear weights are held (weights_format)
+    quantized_at_load: bool = False  # by the engine (--quantization fp8 on a float checkpoint), not stored so
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -482,7 +495,8 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
     dtype_bytes = DTYPE_BYTES[p.dtype]
     kv_dtype = kv_cache_dtype_bytes(p.kv_cache_dtype, p.dtype)
     shapes = rank_shapes(cfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
-    single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantization
+    # One rank holds the checkpoint's tensors as stored, unless the engine quantizes them at load.
+    single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1 and not p.quantized_at_load
     budget = gpu_budget_bytes(p.total_gpu_bytes, p.gpu_memory_utilization) if p.total_gpu_bytes else 0
     draft_weights, draft_per_token = draft_bytes(p.draft_model_config, p.tensor_parallel_size, dtype_bytes,
                                                  kv_dtype, p.max_model_len)
@@ -564,7 +578,7 @@ def advise(p: PlanInputs) -> Verdict:
         for tp in (2, 4, 8):
             if tp > p.tensor_parallel_size and _fits(replace(p, tensor_parallel_size=tp)):
                 return Verdict("weights", "--tensor-parallel-size", tp, what + f" With {tp} GPUs it fits.")
-        if not p.quantization and _fits(replace(p, quantization="fp8")):
+        if not p.quantization and _fits(replace(p, quantization="fp8", quantized_at_load=True)):
             return Verdict("weights", "--quantization", "fp8", what + " With FP8 weights it fits.")
         for pp in (2, 3, 4, 6, 8):
             if pp > p.pipeline_parallel_size and _fits(replace(p, pipeline_parallel_size=pp)):

@@ -78,13 +78,12 @@ def plan_inputs(config: EngineConfig, total_gpu_bytes: int | None = None, others
     """The engine's settings as memory_plan sees them (the same inputs `kvserve plan` builds)."""
     args = config.args
     tp, pp = parallel_sizes(config)
-    quant = getattr(args, "quantization", None)
     return memory_plan.PlanInputs(
         model_config=config.model_config, dtype=config.dtype, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), tensor_parallel_size=tp,
-        pipeline_parallel_size=pp, quantization=None if quant in (None, "none") else quant,
+        pipeline_parallel_size=pp, **memory_plan.weights_format(config.quant_config),
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, total_gpu_bytes=total_gpu_bytes,

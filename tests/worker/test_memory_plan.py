@@ -206,3 +206,28 @@ def test_readme_plan_commands_run_and_print_what_the_readme_shows(capsys, monkey
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == shown
     assert json.loads(outputs[2])["verdict"]["step"] == "fits"
+
+
+def test_plan_counts_a_quantized_checkpoint_as_stored(tmp_path, capsys):
+    """An fp8 checkpoint (experts included) is planned in fp8 without --quantization: at tp 1 from its tensors'
+    bytes, split over ranks as FP8 weights; `--quantization fp8` on the bf16 twin plans the same bytes per rank."""
+    from benchmarks.write_random_checkpoint import write
+    from kvserve.model.quantization.fp8 import Fp8Config
+    from tests.bench.test_write_random_checkpoint import TINY_QWEN3_MOE
+
+    fp8_dir, bf16_dir = write(TINY_QWEN3_MOE, str(tmp_path / "fp8"), True, "cpu"), \
+        write(TINY_QWEN3_MOE, str(tmp_path / "bf16"), False, "cpu")
+    common = ("--max-model-len", 256, "--gpu", "H100")
+    single = run_plan(capsys, fp8_dir, *common)
+    assert single["weights_source"] == "checkpoint"
+    stored = sum(f.stat().st_size for f in (tmp_path / "fp8").glob("*.safetensors"))
+    assert abs(single["ranks"][0]["weights"] - stored) < 0.01 * stored  # plus the rotary table, less file headers
+    split = run_plan(capsys, fp8_dir, *common, "-tp", 2)
+    what_if = run_plan(capsys, bf16_dir, *common, "-tp", 2, "--quantization", "fp8")
+    unquantized = run_plan(capsys, bf16_dir, *common, "-tp", 2)
+    assert split["ranks"][0]["weights"] == what_if["ranks"][0]["weights"] < unquantized["ranks"][0]["weights"]
+    assert memory_plan.weights_format(Fp8Config(checkpoint_is_fp8=True)) == dict(quantization="fp8",
+                                                                                  quantized_at_load=False)
+    assert memory_plan.weights_format(Fp8Config(checkpoint_is_fp8=False)) == dict(quantization="fp8",
+                                                                                   quantized_at_load=True)
+    assert memory_plan.weights_format(None) == dict(quantization=None, quantized_at_load=False)
