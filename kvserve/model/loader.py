@@ -153,6 +153,8 @@ def load_model(
         weights = iter_gguf_weights(model_path)
     else:
         weights = iter_safetensors_weights(model_path)
+        if quant_config is not None:
+            weights = quant_config.read_weights(weights, model_path, torch_dtype, device)
     try:
         loaded = model.load_weights(weights)
     except ValueError as e:  # the model names the tensor; say which checkpoint it came from

@@ -378,15 +378,19 @@ def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: in
                             ) -> int:
     """Bytes the loaded model holds: float tensors are cast to the serving dtype, packed/quantized tensors
     (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded. MXFP4 experts (gpt-oss:
-    `_blocks` of two values a byte, `_scales`) are dequantized at load to the serving dtype."""
+    `_blocks` of two values a byte, `_scales`) and block-wise FP8 weights (each with a `_scale_inv`) are
+    dequantized at load to the serving dtype."""
     total = 0
+    block_fp8 = {n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")}
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
             continue
         if dtype == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
             total += 2 * numel * dtype_bytes if name.endswith("_blocks") else 0
             continue
-        if dtype in _SAFETENSORS_FLOAT:
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in block_fp8:
+            continue
+        if dtype in _SAFETENSORS_FLOAT or name in block_fp8:
             total += numel * dtype_bytes
         else:
             total += numel * _raw_bytes(dtype)

@@ -256,6 +256,80 @@ def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_w
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 
 
+def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]):
+    """w [N, K] -> (e4m3, scale_inv [ceil(N/bn), ceil(K/bk)], dequantized fp32), one scale per block's amax."""
+    bn, bk = block
+    n, k = w.shape
+    scale = torch.empty(-(-n // bn), -(-k // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            scale[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().amax().clamp(min=1e-12) / 448
+    wide = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = (w / wide).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * wide
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, arch, tmp_path, capsys):
+    """A block-wise FP8 checkpoint (weight_block_size [16, 24]: blocks ragged at the edges), its scales in another
+    shard than their weights: served dequantized, greedy tokens equal HF on the dequantized weights; the plan
+    counts the weights in the serving dtype."""
+    import json
+    import re
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.entrypoints.cli import main as cli_main
+
+    path, _ = moe_model(arch)
+    block = (16, 24)
+    weights = load_file(f"{path}/model.safetensors")
+    stored, scales, dequantized = {}, {}, {}
+    for name, w in weights.items():
+        stored[name] = dequantized[name] = w
+        if re.search(r"(_proj|\.w[123])\.weight$", name):
+            stored[name], scales[name + "_scale_inv"], dequantized[name] = _quantize_blocks(w, block)
+    qdir, ddir = tmp_path / "block-fp8", tmp_path / "dequantized"
+    for out in (qdir, ddir):
+        shutil.copytree(path, out)
+        (out / "model.safetensors").unlink()
+    save_file(scales, str(qdir / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(stored, str(qdir / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (qdir / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    prompts = random_prompts(4, 1, 60, seed=5)
+    llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+    served = llm.llm_engine.executor.worker.weights_bytes
+    llm.llm_engine.shutdown()
+    assert cli_main(["plan", str(qdir), "--max-model-len", "256", "--gpu", "H100", "--dtype", "float32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weights_source"] == "checkpoint"
+    assert abs(plan["ranks"][0]["weights"] - served) < 0.01 * served  # the rotary table apart
+
+
+def test_block_fp8_pairs_are_checked():
+    from kvserve.model.quantization.fp8_block import dequantized_weights
+
+    q = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"lacks one of the pair"):
+        list(dequantized_weights([("a.weight", q)], {"a.weight"}, (2, 2), torch.float32, "cpu"))
+    with pytest.raises(ValueError, match=r"a.weight: weight_scale_inv of shape \(1, 1\) does not match"):
+        list(dequantized_weights([("a.weight", q), ("a.weight_scale_inv", torch.ones(1, 1))], {"a.weight"}, (2, 2),
+                                 torch.float32, "cpu"))
+    with pytest.raises(ValueError, match=r"must be float8_e4m3fn"):
+        list(dequantized_weights([("a.weight_scale_inv", torch.ones(2, 2)), ("a.weight", q.float())], {"a.weight"},
+                                 (2, 2), torch.float32, "cpu"))
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_fp8_expert_scales_land_on_this_ranks_rows(monkeypatch, expert_parallel, per_channel):

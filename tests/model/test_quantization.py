@@ -120,7 +120,7 @@ def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True},
      r"awq: version 'gemv' is not supported \(supported: gemm\)"),
     ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes'.*supported: awq, gptq, fp8, compressed-tensors"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise scales .*not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size \[128\] is not \[rows, columns\]"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      r"compressed-tensors: format 'pack-quantized' is not supported"),
 ])

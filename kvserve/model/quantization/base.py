@@ -37,6 +37,11 @@ class QuantizationConfig:
     def from_config(cls, quant_cfg: dict) -> "QuantizationConfig":
         raise NotImplementedError
 
+    def read_weights(self, weights, model_path, dtype: torch.dtype, device):
+        """The checkpoint's (name, tensor) stream as the model's loaders take it; a method whose tensors are
+        converted as they are read (fp8_block.Fp8BlockConfig) returns another."""
+        return weights
+
     def skipped(self, prefix: str, skip_list: list[str]) -> bool:
         # Checkpoints name q_proj/k_proj/...; our merged layers are qkv_proj/gate_up_proj.
         names = _checkpoint_names(prefix)

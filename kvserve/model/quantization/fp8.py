@@ -73,10 +73,9 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, q: dict) -> "Fp8Config":
         if q.get("weight_block_size") is not None:
-            raise ValueError(
-                f"fp8: block-wise scales (weight_block_size {q['weight_block_size']}) are not supported "
-                f"(supported: per-tensor scales (HF fp8 / AutoFP8), per-channel or per-tensor (compressed-tensors))."
-            )
+            from kvserve.model.quantization.fp8_block import Fp8BlockConfig
+
+            return Fp8BlockConfig(q["weight_block_size"])
         return cls(checkpoint_is_fp8=True, activation_scheme=str(q.get("activation_scheme", "dynamic")),
                    ignored_layers=q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
 
