@@ -211,6 +211,24 @@ def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 
 
+def _serve_quantized_as_hf_does(qdir, ddir, quantization_config: dict):
+    """qdir's config.json gets quantization_config; kvserve serving qdir gives HF's greedy tokens on ddir (the
+    dequantized weights). Returns the LLM."""
+    import json
+
+    import transformers
+
+    config = json.loads((qdir / "config.json").read_text())
+    (qdir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    prompts = random_prompts(4, 1, 60, seed=5)
+    llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+    return llm
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
 def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_weights(moe_model, arch, method,
@@ -218,11 +236,9 @@ def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_w
     """An fp8 checkpoint (HF fp8: one scale per tensor; compressed-tensors: one per output channel) with e4m3
     experts, attention and dense / shared MLPs: loaded as stored, not requantized; HF on the dequantized weights
     is the oracle."""
-    import json
     import re
     import shutil
 
-    import transformers
     from safetensors.torch import load_file, save_file
 
     from tests.quant_utils import quant_config_for, quantize_fp8
@@ -240,20 +256,12 @@ def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_w
     for out, tensors in ((qdir, stored), (ddir, dequantized)):
         shutil.copytree(path, out)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((qdir / "config.json").read_text())
-    config["quantization_config"] = quant_config_for(method, per_channel=True)
-    (qdir / "config.json").write_text(json.dumps(config))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
-    prompts = random_prompts(4, 1, 60, seed=5)
-    llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm = _serve_quantized_as_hf_does(qdir, ddir, quant_config_for(method, per_channel=True))
     experts = llm.llm_engine.executor.runner.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
     first = next(n for n in stored if re.search(r"experts\.0\.(gate_proj|w1)\.weight$", n))
     assert torch.equal(experts.w13_weight[0, :experts.intermediate].view(torch.uint8),
                        stored[first].view(torch.uint8))  # the checkpoint's bytes, not requantized
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 
 
 def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]):
@@ -278,7 +286,6 @@ def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, a
     import re
     import shutil
 
-    import transformers
     from safetensors.torch import load_file, save_file
 
     from kvserve.entrypoints.cli import main as cli_main
@@ -298,16 +305,8 @@ def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, a
     save_file(scales, str(qdir / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
     save_file(stored, str(qdir / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(ddir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((qdir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (qdir / "config.json").write_text(json.dumps(config))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
-    prompts = random_prompts(4, 1, 60, seed=5)
-    llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+    llm = _serve_quantized_as_hf_does(qdir, ddir, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                   "weight_block_size": list(block)})
     served = llm.llm_engine.executor.worker.weights_bytes
     llm.llm_engine.shutdown()
     assert cli_main(["plan", str(qdir), "--max-model-len", "256", "--gpu", "H100", "--dtype", "float32", "--json"]) == 0
