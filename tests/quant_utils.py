@@ -122,6 +122,19 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool):
     return q, scale.float(), q.float() * scale
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
+    """w [N, K] -> (e4m3, scale_inv [ceil(N/bn), ceil(K/bk)], dequantized fp32), one scale per block's amax."""
+    bn, bk = block
+    n, k = w.shape
+    scale = torch.empty(-(-n // bn), -(-k // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            scale[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().amax().clamp(min=1e-12) / 448
+    wide = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = (w / wide).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * wide
+
+
 # ---- whole checkpoints -----------------------------------------------------------------------------
 def quant_config_for(method: str, **opt) -> dict:
     if method == "awq":

@@ -264,19 +264,6 @@ def test_fp8_checkpoint_experts_load_as_stored_and_match_hf_on_the_dequantized_w
                        stored[first].view(torch.uint8))  # the checkpoint's bytes, not requantized
 
 
-def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]):
-    """w [N, K] -> (e4m3, scale_inv [ceil(N/bn), ceil(K/bk)], dequantized fp32), one scale per block's amax."""
-    bn, bk = block
-    n, k = w.shape
-    scale = torch.empty(-(-n // bn), -(-k // bk))
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            scale[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().amax().clamp(min=1e-12) / 448
-    wide = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    q = (w / wide).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * wide
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, arch, tmp_path, capsys):
     """A block-wise FP8 checkpoint (weight_block_size [16, 24]: blocks ragged at the edges), its scales in another
@@ -289,6 +276,7 @@ def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, a
     from safetensors.torch import load_file, save_file
 
     from kvserve.entrypoints.cli import main as cli_main
+    from tests.quant_utils import quantize_fp8_blocks
 
     path, _ = moe_model(arch)
     block = (16, 24)
@@ -297,7 +285,7 @@ def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, a
     for name, w in weights.items():
         stored[name] = dequantized[name] = w
         if re.search(r"(_proj|\.w[123])\.weight$", name):
-            stored[name], scales[name + "_scale_inv"], dequantized[name] = _quantize_blocks(w, block)
+            stored[name], scales[name + "_scale_inv"], dequantized[name] = quantize_fp8_blocks(w, block)
     qdir, ddir = tmp_path / "block-fp8", tmp_path / "dequantized"
     for out in (qdir, ddir):
         shutil.copytree(path, out)
