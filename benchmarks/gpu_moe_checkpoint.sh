@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B fp8, kvserve against vLLM 0.26.0 on the same random fp8 checkpoint (so both route alike), in one
+# device call after the vLLM bundle's pieces are on the machine (.vllm/README.md: p0 and m0 first, then this call
+# carrying p1 and the bundle's scripts):
+#
+#     bash .vllm/install.sh && bash benchmarks/gpu_moe_checkpoint.sh
+#
+# 1. benchmarks/write_random_checkpoint.py writes the checkpoint to $CKPT (~31 GB; skipped when it is there).
+# 2. vLLM's W1 and batch-1 on it (the bundle's vllm_bench.py), then kvserve's (benchmarks/gpu_moe.py --checkpoint),
+#    whose table prints the ratio. Each step has its own time limit, so one slow start cannot take the call.
+# 3. With SPREAD=1 only (a second call on the same warm machine: the checkpoint stays in /tmp), both engines'
+#    routing spread on it instead (benchmarks/moe_routing_spread.py --checkpoint, eager, 64 requests).
+# Results go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+OUT="${OUT:-/tmp/moe_checkpoint_out}"
+CKPT="${CKPT:-/tmp/qwen3-moe-fp8}"
+mkdir -p "$OUT" /tmp/vres
+
+[ -f "$CKPT/config.json" ] || timeout 240 python3 benchmarks/write_random_checkpoint.py --shape qwen3-30b-a3b \
+    --fp8 --out "$CKPT" || { echo "writing the checkpoint failed"; exit 1; }
+df -h /tmp | tail -1
+if [ "${SPREAD:-0}" = 1 ]; then
+  OUT="$OUT" timeout 240 python3 benchmarks/moe_routing_spread.py --engine vllm --checkpoint "$CKPT" 2>&1 | tail -1
+  OUT="$OUT" timeout 150 python3 benchmarks/moe_routing_spread.py --engine kvserve --checkpoint "$CKPT" 2>&1 | tail -1
+  exit 0
+fi
+OUT=/tmp/vres timeout 330 python3 .vllm/vllm_bench.py --shape qwen3-30b-a3b --tag _moe_checkpoint \
+    --extra "{\"model\": \"$CKPT\", \"load_format\": \"auto\"}" > "$OUT/vllm_checkpoint.log" 2>&1
+echo "vllm rc $?"; cp /tmp/vres/vllm_bench_moe_checkpoint.json "$OUT/" 2>/dev/null
+timeout 200 python3 benchmarks/gpu_moe.py --checkpoint "$CKPT" --configs fp8 --variants-only --skip-parity \
+    --skip-kernel --vllm-dir /tmp/vres --out "$OUT" 2>&1 | tail -14
