@@ -61,7 +61,8 @@ def profile_step(llm, ids, label):
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     kinds: dict[str, float] = {}
     for e in cuda:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3
     print("GPU ms by kind:", {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])})
     return wall, gpu, launches
 

@@ -68,14 +68,15 @@ def tensor_specs(cfg: dict):
 
 def draw(name: str, shape: tuple, quantize: bool, gen: torch.Generator, device: str) -> dict:
     """{checkpoint name: tensor} of one weight: bf16, or e4m3 and its per-tensor float32 weight_scale."""
+    from kvserve.ops.fp8_e4m3 import quantize_per_token
+
     if name.endswith("norm.weight"):
         return {name: torch.ones(shape, dtype=torch.bfloat16)}
     w = torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5
     if not quantize:
         return {name: w.to(torch.bfloat16).cpu()}
-    scale = (w.abs().amax() / 448.0).clamp(min=1e-12)
-    q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return {name: q.cpu(), name[: -len("weight")] + "weight_scale": scale.float().cpu()}
+    q, scale = quantize_per_token(w.reshape(1, -1))  # the whole tensor as one row: one scale
+    return {name: q.reshape(shape).cpu(), name[: -len("weight")] + "weight_scale": scale.reshape(()).cpu()}
 
 
 def write(cfg: dict, out: str, fp8: bool, device: str, seed: int = 0) -> str:

@@ -136,6 +136,35 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
 
 
 # ---- whole checkpoints -----------------------------------------------------------------------------
+def write_block_fp8_pair(src_dir: Path, out_root: Path, block: tuple[int, int], scales_apart: bool = False
+                         ) -> tuple[Path, Path]:
+    """From an HF safetensors checkpoint of one file: (a block-wise FP8 checkpoint of every projection, dense or
+    expert, the dequantized fp32 checkpoint for the oracle). scales_apart: the scales in a shard of their own,
+    before their weights'."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    stored, scales, dequantized = {}, {}, {}
+    for name, w in load_file(str(Path(src_dir) / "model.safetensors")).items():
+        stored[name] = dequantized[name] = w
+        if re.search(r"(_proj|\.w[123])\.weight$", name):  # not the routers, norms, embedding or head
+            stored[name], scales[name + "_scale_inv"], dequantized[name] = quantize_fp8_blocks(w.float(), block)
+    qdir, ddir = Path(out_root) / "block-fp8", Path(out_root) / "dequantized"
+    for out in (qdir, ddir):
+        shutil.copytree(src_dir, out)
+        (out / "model.safetensors").unlink()
+    shards = [scales, stored] if scales_apart else [{**stored, **scales}]
+    for i, tensors in enumerate(shards):
+        save_file(tensors, str(qdir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (qdir / "config.json").write_text(json.dumps(config))
+    return qdir, ddir
+
+
 def quant_config_for(method: str, **opt) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": opt["group_size"], "zero_point": True,

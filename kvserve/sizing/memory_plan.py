@@ -29,6 +29,15 @@ QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
 
 
+BLOCK_FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+def block_fp8_weights(names) -> set[str]:
+    """The block-wise FP8 weights among a checkpoint's tensor names: those stored with a `_scale_inv` beside
+    them (quantization/fp8_block.py dequantizes exactly these as it reads them)."""
+    return {n.removesuffix(BLOCK_FP8_SCALE_SUFFIX) for n in names if n.endswith(BLOCK_FP8_SCALE_SUFFIX)}
+
+
 def weights_format(quant_config) -> dict:
     """PlanInputs' quantization fields for the engine's resolved quantization (a QuantizationConfig, or None):
     quantization in the terms weight_bytes counts ("fp8": one byte a weight, as fp8, compressed-tensors and
@@ -381,14 +390,14 @@ def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: in
     `_blocks` of two values a byte, `_scales`) and block-wise FP8 weights (each with a `_scale_inv`) are
     dequantized at load to the serving dtype."""
     total = 0
-    block_fp8 = {n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")}
+    block_fp8 = block_fp8_weights(tensors)
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
             continue
         if dtype == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
             total += 2 * numel * dtype_bytes if name.endswith("_blocks") else 0
             continue
-        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in block_fp8:
+        if name.endswith(BLOCK_FP8_SCALE_SUFFIX) and name.removesuffix(BLOCK_FP8_SCALE_SUFFIX) in block_fp8:
             continue
         if dtype in _SAFETENSORS_FLOAT or name in block_fp8:
             total += numel * dtype_bytes

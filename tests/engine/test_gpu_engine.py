@@ -100,29 +100,11 @@ def test_tiny_llama_vs_hf_on_gpu(tiny_llama_dir, dtype):
 def test_block_fp8_checkpoint_dequantized_on_gpu_vs_hf(tiny_llama_dir, tmp_path):
     """A block-wise FP8 checkpoint (weight_block_size [32, 48], ragged at the edges) dequantized on the GPU as it
     is read: HF's greedy tokens on the dequantized weights, fp32."""
-    import json
-    import re
-    import shutil
-
     import transformers
-    from safetensors.torch import load_file, save_file
 
-    from tests.quant_utils import quantize_fp8_blocks
+    from tests.quant_utils import write_block_fp8_pair
 
-    block = (32, 48)
-    stored, dequantized = {}, {}
-    for name, w in load_file(f"{tiny_llama_dir}/model.safetensors").items():
-        stored[name] = dequantized[name] = w
-        if re.search(r"_proj\.weight$", name):
-            stored[name], stored[name + "_scale_inv"], dequantized[name] = quantize_fp8_blocks(w.float(), block)
-    qdir, ddir = tmp_path / "block-fp8", tmp_path / "dequantized"
-    for out, tensors in ((qdir, stored), (ddir, dequantized)):
-        shutil.copytree(tiny_llama_dir, out)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((qdir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (qdir / "config.json").write_text(json.dumps(config))
+    qdir, ddir = write_block_fp8_pair(tiny_llama_dir, tmp_path, (32, 48))
     prompts = _prompts(4, 32000, seed=4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).to("cuda").eval()
     expected, margins = _hf_greedy(hf, prompts)

@@ -211,15 +211,16 @@ def test_online_fp8_quantizes_experts_and_matches_hf_on_the_same_fp8_weights(moe
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 
 
-def _serve_quantized_as_hf_does(qdir, ddir, quantization_config: dict):
-    """qdir's config.json gets quantization_config; kvserve serving qdir gives HF's greedy tokens on ddir (the
-    dequantized weights). Returns the LLM."""
+def _serve_quantized_as_hf_does(qdir, ddir, quantization_config: dict | None = None):
+    """qdir's config.json gets quantization_config (None: it has one); kvserve serving qdir gives HF's greedy
+    tokens on ddir (the dequantized weights). Returns the LLM."""
     import json
 
     import transformers
 
-    config = json.loads((qdir / "config.json").read_text())
-    (qdir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    if quantization_config is not None:
+        config = json.loads((qdir / "config.json").read_text())
+        (qdir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
     prompts = random_prompts(4, 1, 60, seed=5)
     llm = LLM(str(qdir), max_model_len=256, kv_cache_memory_bytes=16 << 20)
@@ -270,31 +271,13 @@ def test_block_fp8_checkpoint_is_dequantized_as_read_and_matches_hf(moe_model, a
     shard than their weights: served dequantized, greedy tokens equal HF on the dequantized weights; the plan
     counts the weights in the serving dtype."""
     import json
-    import re
-    import shutil
-
-    from safetensors.torch import load_file, save_file
 
     from kvserve.entrypoints.cli import main as cli_main
-    from tests.quant_utils import quantize_fp8_blocks
+    from tests.quant_utils import write_block_fp8_pair
 
     path, _ = moe_model(arch)
-    block = (16, 24)
-    weights = load_file(f"{path}/model.safetensors")
-    stored, scales, dequantized = {}, {}, {}
-    for name, w in weights.items():
-        stored[name] = dequantized[name] = w
-        if re.search(r"(_proj|\.w[123])\.weight$", name):
-            stored[name], scales[name + "_scale_inv"], dequantized[name] = quantize_fp8_blocks(w, block)
-    qdir, ddir = tmp_path / "block-fp8", tmp_path / "dequantized"
-    for out in (qdir, ddir):
-        shutil.copytree(path, out)
-        (out / "model.safetensors").unlink()
-    save_file(scales, str(qdir / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
-    save_file(stored, str(qdir / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(ddir / "model.safetensors"), metadata={"format": "pt"})
-    llm = _serve_quantized_as_hf_does(qdir, ddir, {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                                   "weight_block_size": list(block)})
+    qdir, ddir = write_block_fp8_pair(path, tmp_path, (16, 24), scales_apart=True)
+    llm = _serve_quantized_as_hf_does(qdir, ddir)
     served = llm.llm_engine.executor.worker.weights_bytes
     llm.llm_engine.shutdown()
     assert cli_main(["plan", str(qdir), "--max-model-len", "256", "--gpu", "H100", "--dtype", "float32", "--json"]) == 0

@@ -17,10 +17,10 @@ import torch
 
 from kvserve.model.layers import as_tensor
 from kvserve.model.quantization.base import QuantizationConfig
+from kvserve.sizing.memory_plan import BLOCK_FP8_SCALE_SUFFIX as SCALE_SUFFIX
+from kvserve.sizing.memory_plan import block_fp8_weights, checkpoint_tensors
 
 logger = logging.getLogger(__name__)
-
-SCALE_SUFFIX = "_scale_inv"
 
 
 class Fp8BlockConfig(QuantizationConfig):
@@ -39,9 +39,7 @@ class Fp8BlockConfig(QuantizationConfig):
         return None
 
     def read_weights(self, weights: Iterable, model_path: Path, dtype: torch.dtype, device) -> Iterator:
-        from kvserve.sizing.memory_plan import checkpoint_tensors
-
-        quantized = {n.removesuffix(SCALE_SUFFIX) for n in checkpoint_tensors(model_path) if n.endswith(SCALE_SUFFIX)}
+        quantized = block_fp8_weights(checkpoint_tensors(model_path))
         logger.info("FP8 block-wise checkpoint (weight_block_size %s, %d tensors): dequantized to %s as read (no "
                     "block-scaled GEMM yet), so the weights take twice the checkpoint's bytes", list(self.block),
                     len(quantized), str(dtype).removeprefix("torch."))
