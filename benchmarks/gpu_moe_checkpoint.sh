@@ -10,7 +10,8 @@
 #    whose table prints the ratio. Each step has its own time limit, so one slow start cannot take the call.
 # 3. With SPREAD=1 only (a second call on the same warm machine: the checkpoint stays in /tmp), both engines'
 #    routing spread on it instead (benchmarks/moe_routing_spread.py --checkpoint, eager, 64 requests).
-# Results go to $OUT.
+# ENGINES=vllm or ENGINES=kvserve runs one engine's part only (two calls on one warm machine when one call's time
+# limit cannot hold both; kvserve's part reads vLLM's result from /tmp/vres). Results go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -26,8 +27,13 @@ if [ "${SPREAD:-0}" = 1 ]; then
   OUT="$OUT" timeout 150 python3 benchmarks/moe_routing_spread.py --engine kvserve --checkpoint "$CKPT" 2>&1 | tail -1
   exit 0
 fi
+ENGINES="${ENGINES:-both}"
+if [ "$ENGINES" != kvserve ]; then
 OUT=/tmp/vres timeout 330 python3 .vllm/vllm_bench.py --shape qwen3-30b-a3b --tag _moe_checkpoint \
     --extra "{\"model\": \"$CKPT\", \"load_format\": \"auto\"}" > "$OUT/vllm_checkpoint.log" 2>&1
 echo "vllm rc $?"; cp /tmp/vres/vllm_bench_moe_checkpoint.json "$OUT/" 2>/dev/null
+tail -5 "$OUT/vllm_checkpoint.log"
+fi
+[ "$ENGINES" = vllm ] && exit 0
 timeout 200 python3 benchmarks/gpu_moe.py --checkpoint "$CKPT" --configs fp8 --variants-only --skip-parity \
     --skip-kernel --vllm-dir /tmp/vres --out "$OUT" 2>&1 | tail -14

@@ -59,22 +59,28 @@ def profile_step(llm, ids, label):
     print(f"\n== {label}: wall {wall * 1e3:.2f} ms, GPU busy {gpu * 1e3:.2f} ms, {launches} kernels ==")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    kinds: dict[str, float] = {}
-    for e in cuda:
-        kind = kernel_kind(e.key)
-        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3
-    print("GPU ms by kind:", {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])})
+    print("GPU ms by kind:", {k: round(v, 2) for k, v in gpu_ms_by_kind(events).items()})
     return wall, gpu, launches
 
 
 # Kernel names by kind: cuBLAS / CUTLASS GEMMs, kvserve's Triton attention, norms, and everything else.
-KINDS = (("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|scaled_mm"), ("attention", r"attention|_attn"),
+KINDS = (("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|scaled_mm"),
+         ("attention", r"attention|_attn|_decode_kernel|combine_splits"),
          ("norm", r"rms|norm"), ("activation", r"silu|gelu|act_and_mul"), ("rotary", r"rotary|rope"),
          ("kv write", r"reshape_and_cache|cache_write"))
 
 
 def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def gpu_ms_by_kind(events) -> dict[str, float]:
+    """GPU milliseconds of a profiler's key_averages() by kernel_kind, largest first."""
+    kinds: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def main():
