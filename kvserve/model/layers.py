@@ -328,6 +328,10 @@ class RMSNorm(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_into(param.data, loaded, "weight")
 
+    def kernel_weight(self) -> torch.Tensor:
+        """What the fused kernels multiply the normed row by."""
+        return self.weight
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in fp32 and rounded once at the end (HF's order; the
@@ -337,7 +341,7 @@ class GemmaRMSNorm(RMSNorm):
         if use_fused_kernels(x):  # the fused kernel with weight 1 + w (fp32; normed x rounded first there)
             from kvserve.ops.fused_kernels import rms_norm
 
-            return rms_norm(x, self._offset_weight(), self.eps, residual)
+            return rms_norm(x, self.kernel_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -345,7 +349,7 @@ class GemmaRMSNorm(RMSNorm):
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
 
-    def _offset_weight(self) -> torch.Tensor:
+    def kernel_weight(self) -> torch.Tensor:
         # Computed once per loaded weight (its version counts in-place loads), before any graph capture:
         # the engine's profile run calls every layer first.
         key = (self.weight._version, self.weight.device)
@@ -472,9 +476,19 @@ class RotaryEmbedding(nn.Module):
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                norms: tuple[RMSNorm, RMSNorm] | None = None):
+        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (in place on the fused path). `norms`: per-head
+        (q_norm, k_norm) applied first; on the fused path with every dim turning, inside the rotary kernel."""
         rot = self.rotary_dim
+        if norms is not None:
+            q_norm, k_norm = norms
+            if use_fused_kernels(q) and rot == q.shape[-1] and rot % 2 == 0 and q_norm.eps == k_norm.eps:
+                from kvserve.ops.fused_kernels import apply_rotary_
+
+                return apply_rotary_(positions, q, k, self.cos_cached, self.sin_cached,
+                                     (q_norm.kernel_weight(), k_norm.kernel_weight()), q_norm.eps)
+            q, k = q_norm(q), k_norm(k)
         if rot < q.shape[-1]:  # partial: the first rot dims turn, the rest pass through
             if use_fused_kernels(q):
                 self._rotate_all(positions, q[..., :rot], k[..., :rot])  # in place, through the views

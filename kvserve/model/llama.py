@@ -84,12 +84,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        norms = None
         if self.q_norm is not None and self.norm_whole_projection:  # OLMo 2: over all heads at once
             q, k = self.q_norm(q.reshape(-1, self.q_size)), self.k_norm(k.reshape(-1, self.kv_size))
             q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        elif isinstance(self.q_norm, RMSNorm) and isinstance(self.rotary, RotaryEmbedding):
+            norms = (self.q_norm, self.k_norm)  # per head (Qwen3, Gemma 3): normed in the rotary's own pass
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, norms=norms) if norms else self.rotary(positions, q, k)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v)
         out = self.backend.forward(q, k, v, kv_cache, meta.for_group(self.kv_cache_group), self.scale,

@@ -1,5 +1,6 @@
-"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary, SiLU*mul, and the
-RMSNorm / SiLU*mul variants that quantize their output per token for an FP8 GEMM (W8A8) in the same pass.
+"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary (after a per-head q/k
+RMSNorm where the model has one), SiLU*mul, and the RMSNorm / SiLU*mul variants that quantize their output per
+token for an FP8 GEMM (W8A8) in the same pass.
 
 Unfused, these are ~40 tiny kernels per layer; at batch 1 their launch gaps cost more than the
 weight reads. Each kernel rounds its intermediates to the activation dtype where HF's eager code
@@ -80,48 +81,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cs, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
+def _rotate_heads(base, cos, sin, rstd_eps, w_ptr, num_heads, NORM: tl.constexpr, HALF: tl.constexpr,
+                  HALF_P: tl.constexpr, HEADS_P: tl.constexpr, stride_h):
+    """Rotates (rotate-half) the heads of one token at `base` in place; with NORM each head is first RMS-normed
+    over its HALF * 2 dims with weight w (as _rms_norm_row: normed rounded to the activation dtype, then times
+    w, rounded again)."""
     d = tl.arange(0, HALF_P)
     d_ok = d < HALF
-    cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
     h = tl.arange(0, HEADS_P)
-    # q heads
-    mq = (h[:, None] < NUM_Q_HEADS) & d_ok[None, :]
-    base = q_ptr + tok * stride_qt + h[:, None] * stride_qh + d[None, :]
-    x1 = tl.load(base, mask=mq, other=0.0)
-    x2 = tl.load(base + HALF, mask=mq, other=0.0)
+    mask = (h[:, None] < num_heads) & d_ok[None, :]
+    ptrs = base + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
     dt = x1.dtype
+    if NORM:
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        var = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
+        rstd = tl.rsqrt(var + rstd_eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1f * rstd).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2 * (x2f * rstd).to(dt).to(tl.float32)).to(dt)
     c = cos.to(dt).to(tl.float32)[None, :]
     s = sin.to(dt).to(tl.float32)[None, :]
     # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype.
     o1 = ((x1.to(tl.float32) * c).to(dt).to(tl.float32) - (x2.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2.to(tl.float32) * c).to(dt).to(tl.float32) + (x1.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(base, o1, mask=mq)
-    tl.store(base + HALF, o2, mask=mq)
-    mk = (h[:, None] < NUM_K_HEADS) & d_ok[None, :]
-    base = k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :]
-    x1 = tl.load(base, mask=mk, other=0.0)
-    x2 = tl.load(base + HALF, mask=mk, other=0.0)
-    o1 = ((x1.to(tl.float32) * c).to(dt).to(tl.float32) - (x2.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2.to(tl.float32) * c).to(dt).to(tl.float32) + (x1.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(base, o1, mask=mk)
-    tl.store(base + HALF, o2, mask=mk)
+    tl.store(ptrs, o1, mask=mask)
+    tl.store(ptrs + HALF, o2, mask=mask)
 
 
-def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """In place on q [T, H, D] and k [T, Hkv, D] (views into the qkv output); cos/sin [max_pos, D/2] fp32."""
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr, eps, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_cs, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, NORM: tl.constexpr,
+                   HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF_P)
+    cos = tl.load(cos_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    _rotate_heads(q_ptr + tok * stride_qt, cos, sin, eps, qw_ptr, NUM_Q_HEADS, NORM, HALF, HALF_P, HEADS_P, stride_qh)
+    _rotate_heads(k_ptr + tok * stride_kt, cos, sin, eps, kw_ptr, NUM_K_HEADS, NORM, HALF, HALF_P, HEADS_P, stride_kh)
+
+
+def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0):
+    """In place on q [T, H, D] and k [T, Hkv, D] (views into the qkv output); cos/sin [max_pos, D/2] fp32.
+    `norm_weights` (q's [D], k's [D]): each head is RMS-normed first (Qwen3's and Gemma 3's q/k norms), in the
+    same pass: the strided views are read once, with no copy to make them contiguous for a row kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = head_dim // 2
+    qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            q, k, cos, sin, positions, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, NORM=norm_weights is not None,
+            HALF=half, HALF_P=triton.next_power_of_2(half),
             HEADS_P=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4,
         )
     return q, k

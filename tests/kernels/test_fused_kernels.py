@@ -130,6 +130,49 @@ def test_rotary_in_place_on_qkv_views(dtype, num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(k, want_k, atol=atol, rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("norm_kind", ["qwen3", "gemma"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 32), (16, 8, 256), (6, 2, 48)])
+def test_rotary_after_per_head_norm_on_qkv_views(dtype, norm_kind, num_heads, num_kv_heads, head_dim):
+    """Per-head q/k RMSNorm fused into the rotary pass (Qwen3's weight, Gemma 3's 1 + weight) equals the norm
+    as HF writes it followed by the rotary, each head over its own dims; v and the other rows untouched."""
+    from kvserve.model.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding, _rotate
+
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    t = 9
+    qkv = _rows(t, (num_heads + 2 * num_kv_heads) * head_dim, dtype, 11)
+    before = qkv.clone()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim)
+    norm_cls = GemmaRMSNorm if norm_kind == "gemma" else RMSNorm
+    q_norm, k_norm = norm_cls(head_dim, 1e-6).to(DEVICE), norm_cls(head_dim, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        q_norm.weight.copy_((0.1 if norm_kind == "gemma" else 1.0) + 0.2 * _rows(1, head_dim, torch.float32, 12)[0])
+        k_norm.weight.copy_((0.1 if norm_kind == "gemma" else 1.0) + 0.2 * _rows(1, head_dim, torch.float32, 13)[0])
+    if norm_kind == "qwen3":  # Qwen3's norm weights are in the activation dtype
+        q_norm.to(dtype), k_norm.to(dtype)
+
+    def hf_norm(x, norm):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if norm_kind == "gemma":
+            return (normed * (1.0 + norm.weight.float())).to(dtype)
+        return norm.weight * normed.to(dtype)
+
+    positions = torch.tensor([0, 1, 2, 7, 63, 64, 65, 300, 511], device=DEVICE)
+    cos = rope.cos_cached.to(DEVICE)[positions].unsqueeze(1)
+    sin = rope.sin_cached.to(DEVICE)[positions].unsqueeze(1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    want_q, want_k = _rotate(hf_norm(q, q_norm), cos, sin), _rotate(hf_norm(k, k_norm), cos, sin)
+    got_q, got_k = rope.to(DEVICE)(positions, q, k, norms=(q_norm, k_norm))
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place, through the views
+    # Normed values are O(1): one rounding step of the result (two for Gemma, whose kernel rounds normed x first).
+    tol = TOL[dtype] * (2 if norm_kind == "gemma" else 1)
+    torch.testing.assert_close(got_q, want_q, atol=tol * 4, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=tol * 4, rtol=tol)
+    torch.testing.assert_close(v, before[:, (num_heads + num_kv_heads) * head_dim:], atol=0, rtol=0)
+
+
 def _same_fp8(got, q, scale, dtype):
     assert got.dtype == dtype and got.q.dtype == torch.float8_e4m3fn and got.scale.shape == scale.shape
     assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
