@@ -34,9 +34,11 @@ PEAK_TBPS = 4.27
 ATOL, RTOL = 2e-2, 2e-2  # bf16 output; P is rounded to bf16 before the PV product
 
 
-def make_step(ctx_lens, q_lens, seed=0, kv_heads=HKV):
+def make_step(ctx_lens, q_lens, seed=0, kv_heads=HKV, heads=H, head_dim=D, window=None):
     """One step's q/k/v, a paged cache with random contents and shuffled block tables, and its metadata;
-    H query heads over kv_heads KV heads (Llama-3.1-8B's 8 by default; Qwen3-30B-A3B has 4)."""
+    `heads` query heads over kv_heads KV heads (Llama-3.1-8B's 32 over 8 by default; Qwen3-30B-A3B has 4 KV
+    heads, Gemma-3-12B 16 over 8 of width 256). `window`: the KV bytes count only the keys a windowed layer
+    reads (pass the same window to the backend)."""
     rnd = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -66,21 +68,22 @@ def make_step(ctx_lens, q_lens, seed=0, kv_heads=HKV):
         seq_lens_cpu=seq_t,
     )
     t = len(slots)
-    q = torch.randn(t, H, D, device="cuda", dtype=DTYPE, generator=gen)
-    k = torch.randn(t, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
-    v = torch.randn(t, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, D, device="cuda", dtype=DTYPE, generator=gen)
-    kv_bytes = sum(seq_lens) * kv_heads * D * 2 * kv_cache.element_size()
+    q = torch.randn(t, heads, head_dim, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(t, kv_heads, head_dim, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(t, kv_heads, head_dim, device="cuda", dtype=DTYPE, generator=gen)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=DTYPE, generator=gen)
+    keys_read = sum(min(s, window) if window else s for s in seq_lens)
+    kv_bytes = keys_read * kv_heads * head_dim * 2 * kv_cache.element_size()
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in zip(ctx_lens, q_lens))  # visible (query, key) pairs
-    return q, k, v, kv_cache, meta, kv_bytes, 4 * D * H * pairs
+    return q, k, v, kv_cache, meta, kv_bytes, 4 * head_dim * heads * pairs
 
 
-def check(name, backend, step) -> bool:
+def check(name, backend, step, window=None) -> bool:
     q, k, v, kv_cache, meta, *_ = step
-    scale = D**-0.5
+    scale = q.shape[-1] ** -0.5
     ref_cache, tri_cache = kv_cache.clone(), kv_cache.clone()
-    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
-    out = backend.forward(q, k, v, tri_cache, meta, scale)
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale, sliding_window=window)
+    out = backend.forward(q, k, v, tri_cache, meta, scale, sliding_window=window)
     torch.cuda.synchronize()
     err = (out.float() - ref.float()).abs().max().item()
     ok = torch.equal(tri_cache, ref_cache) and torch.allclose(out.float(), ref.float(), atol=ATOL, rtol=RTOL)

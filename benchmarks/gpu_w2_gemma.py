@@ -115,6 +115,20 @@ def run_w2(quick: bool, max_num_batched_tokens: int) -> dict:
     }
 
 
+def apply_attention_overrides(path: str) -> dict:
+    """Sets the file's TritonAttentionBackend attributes on the class (the engine builds its own instance)."""
+    from kvserve.ops.triton_attention import TritonAttentionBackend
+
+    with open(path) as f:
+        attrs = json.load(f)
+    attrs = attrs.get("best", attrs)
+    for name, value in attrs.items():
+        if not hasattr(TritonAttentionBackend, name):
+            raise ValueError(f"TritonAttentionBackend has no attribute {name!r}")
+        setattr(TritonAttentionBackend, name, tuple(value) if isinstance(value, list) else value)
+    return attrs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -123,9 +137,14 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
                     help="the step budget (vLLM 0.26.0's default on an H200, so both engines get the same)")
     ap.add_argument("--vllm-json", help="vLLM's result on the same run (benchmarks/vllm_w2_gemma.py): adds ratios")
+    ap.add_argument("--attention-overrides", help="JSON of TritonAttentionBackend attributes for this run (or "
+                    "benchmarks/sweep_decode_attention.py --gemma's result, whose fastest variant it takes)")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     results = {"device": torch.cuda.get_device_name()}
+    if args.attention_overrides:
+        results["attention_overrides"] = apply_attention_overrides(args.attention_overrides)
     if not args.skip_checks:
         results["kernel_tests"] = kernel_tests()
         results["parity"] = tiny_parity()
@@ -134,7 +153,7 @@ def main():
         with open(args.vllm_json) as f:
             results["vllm"] = json.load(f)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_w2_gemma.json"), "w") as f:
+    with open(os.path.join(args.out, f"gpu_w2_gemma{args.tag}.json"), "w") as f:
         json.dump(results, f, indent=2)
     w2 = results["w2"]
     print(f"\n| W2 Gemma-3-12B shape, {results['device']} | value |\n|---|---|")
@@ -149,6 +168,8 @@ def main():
     print(f"| KV cache groups / blocks / longest request (tokens) | {w2['kv_cache_groups']} / {w2['kv_blocks']:,} / "
           f"{w2['kv_cache_tokens']:,} |")
     print(f"| preemptions | {w2['preemptions']} |")
+    if "attention_overrides" in results:
+        print(f"| attention launch overrides | {results['attention_overrides']} |")
     if "vllm" in results:
         vllm = results["vllm"]
         assert vllm["output_tokens"] == w2["output_tokens"] and vllm["input_tokens"] == w2["prompt_tokens"], \

@@ -2,7 +2,12 @@
 counts, timed on W1-like decode batches (GPU time from CUDA-graph replays; Llama-3.1-8B's heads, and
 Qwen3-30B-A3B's 4 KV heads in the last column), each checked against the torch backend first.
 
-    PYTHONUNBUFFERED=1 python benchmarks/sweep_decode_attention.py
+    PYTHONUNBUFFERED=1 python benchmarks/sweep_decode_attention.py [--gemma [--out DIR]]
+
+`--gemma`: W2's decode instead (Gemma-3-12B's heads, 16 over 8 of width 256; W2's contexts of 6,000-15,000
+tokens; a global layer and a 1,024-token windowed one) over the wide-head configurations, unified and split-KV;
+writes DIR/decode_attention_gemma.json with the fastest variant as TritonAttentionBackend attributes (the form
+benchmarks/gpu_w2_gemma.py --attention-overrides reads).
 """
 
 from __future__ import annotations
@@ -37,13 +42,84 @@ def cases():
     ]
 
 
-def time_us(backend, step) -> float:
+def time_us(backend, step, window=None) -> float:
     q, k, v, kv_cache, meta, *_ = step
-    return 1e3 * triton.testing.do_bench_cudagraph(lambda: backend.forward(q, k, v, kv_cache, meta, D**-0.5))
+    scale = q.shape[-1] ** -0.5
+    return 1e3 * triton.testing.do_bench_cudagraph(
+        lambda: backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=window))
+
+
+GEMMA_WINDOW = 1024
+GEMMA_UNIFIED = [TritonAttentionBackend.WIDE_HEAD_DECODE_CONFIG, (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 3),
+                 (16, 64, 8, 3), (16, 128, 8, 2), (16, 32, 4, 4), (16, 64, 2, 3)]
+GEMMA_SPLIT = [TritonAttentionBackend.WIDE_HEAD_SPLIT_CONFIG, (16, 64, 4, 3), (16, 32, 4, 3)]
+
+
+def gemma_sweep(out_dir: str) -> int:
+    """Each variant as the attributes it sets, timed on a global and a windowed layer of W2's full decode batch
+    and of a late one (24 requests); the fastest by the sum over W2's 8 global and 40 windowed layers."""
+    import json
+    import os
+
+    from kvserve.bench.datasets import W2_MAX_MODEL_LEN
+
+    rnd = random.Random(5)
+    shape = dict(heads=16, kv_heads=8, head_dim=256)
+    full = [rnd.randint(6000, 15000) for _ in range(64)]
+    late = [rnd.randint(6000, 15000) + 300 for _ in range(24)]
+    steps = {
+        "B=64 global": (make_step(full, [1] * 64, seed=6, **shape), None),
+        "B=64 window": (make_step(full, [1] * 64, seed=6, window=GEMMA_WINDOW, **shape), GEMMA_WINDOW),
+        "B=24 global": (make_step(late, [1] * 24, seed=7, **shape), None),
+        "B=24 window": (make_step(late, [1] * 24, seed=7, window=GEMMA_WINDOW, **shape), GEMMA_WINDOW),
+    }
+    variants = [{"WIDE_HEAD_DECODE_CONFIG": cfg} for cfg in GEMMA_UNIFIED]
+    variants += [{"WIDE_HEAD_SPLIT_CONFIG": cfg, "LONG_CONTEXT_KEYS_PER_SPLIT": keys}
+                 for cfg in GEMMA_SPLIT for keys in (W2_MAX_MODEL_LEN // 2, W2_MAX_MODEL_LEN // 4,
+                                                     W2_MAX_MODEL_LEN // 8)]
+    print(f"{'variant':<88}" + "".join(f"{name:>26}" for name in steps) + f"{'W2 step est. ms':>17}")
+    rows = []
+    for attrs in variants:
+        backend = TritonAttentionBackend()
+        for name, value in attrs.items():
+            setattr(backend, name, value)
+        splits = backend.choose_num_splits(64, 8, 1, W2_MAX_MODEL_LEN)  # as the engine decides: max_model_len
+        backend.forced_num_splits = splits if splits > 1 else None
+        backend.split_kv = splits > 1
+        label = ", ".join(f"{k}={v}" for k, v in attrs.items()) + f" ({splits} splits)"
+        if not all(check(f"{name}", backend, step, window) for name, (step, window) in steps.items()
+                   if name.startswith("B=24")):
+            print(f"{label}: CORRECTNESS FAILED")
+            continue
+        cells, us = [], {}
+        for name, (step, window) in steps.items():
+            us[name] = time_us(backend, step, window)
+            cells.append(f"{us[name]:8.1f} us {step[5] / (us[name] * 1e-6) / 1e12:4.2f} TB/s")
+        est = (8 * us["B=64 global"] + 40 * us["B=64 window"]) / 1e3
+        rows.append((est, attrs, label, us))
+        print(f"{label:<88}" + "".join(f"{c:>26}" for c in cells) + f"{est:17.2f}", flush=True)
+    rows.sort(key=lambda r: r[0])
+    best, current = rows[0], next(r for r in rows if r[1] == variants[0])
+    print(f"fastest: {best[2]}: {best[0]:.2f} ms of attention a full W2 decode step, current {current[0]:.2f} ms "
+          f"({current[0] / best[0]:.2f}x); copy ceiling {PEAK_TBPS} TB/s")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "decode_attention_gemma.json"), "w") as f:
+        json.dump({"best": best[1], "best_ms": best[0], "current_ms": current[0],
+                   "rows": [{"variant": r[2], "us": r[3], "w2_step_ms": r[0]} for r in rows]}, f, indent=1)
+    return 0
 
 
 def main() -> int:
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemma", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.gemma:
+        return gemma_sweep(args.out)
     steps = cases()
     variants = []
     for cfg in CONFIGS:

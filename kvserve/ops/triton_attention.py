@@ -409,9 +409,15 @@ class TritonAttentionBackend:
     LONG_PREFILL_MIN_QUERY = 2048
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
+    # Decode with heads wider than 128 (Gemma's 256): a K or V tile is twice the bytes a key.
+    WIDE_HEAD_DECODE_CONFIG = DECODE_CONFIG
+    WIDE_HEAD_SPLIT_CONFIG = SPLIT_CONFIG
     # Split-KV: each split gets at least this many keys, and at most this many splits.
     MIN_KEYS_PER_SPLIT = 256
     MAX_SPLITS = 32
+    # Batches large enough to fill the SMs still split when contexts may be this long per split or longer
+    # (None: never): programs of a few thousand keys each even out the tail of a wave of long, uneven contexts.
+    LONG_CONTEXT_KEYS_PER_SPLIT: int | None = None
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -428,7 +434,8 @@ class TritonAttentionBackend:
     def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
         """1 = no split-KV. Split only decode-only batches; by default only when B * Hkv programs would
         leave most SMs idle, and then enough splits for about two programs per SM, each split at least
-        MIN_KEYS_PER_SPLIT keys long."""
+        MIN_KEYS_PER_SPLIT keys long; or, with LONG_CONTEXT_KEYS_PER_SPLIT, into splits of about that many keys
+        of max_seq_len."""
         if max_query_len != 1 or self.split_kv is False:
             return 1
         if self.forced_num_splits is not None:
@@ -436,7 +443,8 @@ class TritonAttentionBackend:
         work = num_reqs * num_kv_heads
         by_len = max_seq_len // self.MIN_KEYS_PER_SPLIT
         if self.split_kv is None and (work * 2 > self.num_sms or by_len < 2):
-            return 1
+            long = self.LONG_CONTEXT_KEYS_PER_SPLIT
+            return min(_cdiv(max_seq_len, long), self.MAX_SPLITS) if long and max_seq_len >= 2 * long else 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
 
@@ -445,7 +453,7 @@ class TritonAttentionBackend:
         """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query, the heads'
         width and the query's dtype."""
         if max_query_len == 1:
-            return self.DECODE_CONFIG
+            return self.WIDE_HEAD_DECODE_CONFIG if head_dim > 128 else self.DECODE_CONFIG
         if max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2:
             return self.PREFILL_CONFIG
         return self.WIDE_HEAD_LONG_PREFILL_CONFIG if head_dim > 128 else self.LONG_PREFILL_CONFIG
@@ -491,7 +499,7 @@ class TritonAttentionBackend:
         if num_splits is None or meta.max_query_len != 1:
             num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
         if num_splits > 1:
-            block_m, tile_n, warps, stages = self.SPLIT_CONFIG
+            block_m, tile_n, warps, stages = self.WIDE_HEAD_SPLIT_CONFIG if head_dim > 128 else self.SPLIT_CONFIG
             block_m = max(block_m, _next_pow2(g))
             part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
                                    device=q.device)

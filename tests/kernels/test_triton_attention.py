@@ -109,6 +109,12 @@ def test_choose_num_splits():
     assert ta.TritonAttentionBackend(split_kv=True).choose_num_splits(1, 1, 1, 40) == 2
     assert ta.TritonAttentionBackend(split_kv=True, num_splits=7).choose_num_splits(1, 1, 1, 40) == 7
     assert ta.TritonAttentionBackend(split_kv=True, num_splits=7).choose_num_splits(1, 1, 3, 40) == 1
+    long = ta.TritonAttentionBackend(num_sms=132)
+    long.LONG_CONTEXT_KEYS_PER_SPLIT = 4096
+    assert long.choose_num_splits(64, 8, 1, 16384) == 4  # a full grid of long contexts: splits of ~4096 keys
+    assert long.choose_num_splits(64, 8, 1, 8191) == 1  # shorter than two such splits
+    assert long.choose_num_splits(64, 8, 1, 1 << 20) == long.MAX_SPLITS
+    assert long.choose_num_splits(64, 8, 2, 16384) == 1  # not decode-only
 
 
 # --- prefill and mixed -------------------------------------------------------------------------------
