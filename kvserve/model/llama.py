@@ -240,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
     def num_local_kv_heads(self) -> int:
         return self.layers[self.start_layer].self_attn.num_kv_heads
 
+    @property
+    def attention_head_dim(self) -> int:
+        return self.layers[self.start_layer].self_attn.head_dim
+
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Returns the final hidden states on the last stage, (hidden, residual) for the next stage on the others.

@@ -409,15 +409,18 @@ class TritonAttentionBackend:
     LONG_PREFILL_MIN_QUERY = 2048
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
-    # Decode with heads wider than 128 (Gemma's 256): a K or V tile is twice the bytes a key.
-    WIDE_HEAD_DECODE_CONFIG = DECODE_CONFIG
-    WIDE_HEAD_SPLIT_CONFIG = SPLIT_CONFIG
+    # Decode with heads wider than 128 (Gemma's 256): a K or V tile is twice the bytes a key, so shorter key steps
+    # (benchmarks/sweep_decode_attention.py --gemma on the H200, BENCHMARKS.md).
+    WIDE_HEAD_DECODE_CONFIG = (16, 64, 4, 2)
+    WIDE_HEAD_SPLIT_CONFIG = (16, 32, 4, 3)
     # Split-KV: each split gets at least this many keys, and at most this many splits.
     MIN_KEYS_PER_SPLIT = 256
     MAX_SPLITS = 32
     # Batches large enough to fill the SMs still split when contexts may be this long per split or longer
     # (None: never): programs of a few thousand keys each even out the tail of a wave of long, uneven contexts.
+    # Measured for wide heads only (W2's Gemma-3 decode: 1.38x on its attention); heads up to 128 keep the rule above.
     LONG_CONTEXT_KEYS_PER_SPLIT: int | None = None
+    WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT: int | None = 4096
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -431,11 +434,12 @@ class TritonAttentionBackend:
             self._num_sms = num_sms(device)
         return self._num_sms
 
-    def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+    def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                          head_dim: int = 128) -> int:
         """1 = no split-KV. Split only decode-only batches; by default only when B * Hkv programs would
         leave most SMs idle, and then enough splits for about two programs per SM, each split at least
-        MIN_KEYS_PER_SPLIT keys long; or, with LONG_CONTEXT_KEYS_PER_SPLIT, into splits of about that many keys
-        of max_seq_len."""
+        MIN_KEYS_PER_SPLIT keys long; or, with (WIDE_HEAD_)LONG_CONTEXT_KEYS_PER_SPLIT, into splits of about that
+        many keys of max_seq_len."""
         if max_query_len != 1 or self.split_kv is False:
             return 1
         if self.forced_num_splits is not None:
@@ -443,7 +447,7 @@ class TritonAttentionBackend:
         work = num_reqs * num_kv_heads
         by_len = max_seq_len // self.MIN_KEYS_PER_SPLIT
         if self.split_kv is None and (work * 2 > self.num_sms or by_len < 2):
-            long = self.LONG_CONTEXT_KEYS_PER_SPLIT
+            long = self.WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT if head_dim > 128 else self.LONG_CONTEXT_KEYS_PER_SPLIT
             return min(_cdiv(max_seq_len, long), self.MAX_SPLITS) if long and max_seq_len >= 2 * long else 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
@@ -497,7 +501,8 @@ class TritonAttentionBackend:
 
         num_splits = meta.num_kv_splits
         if num_splits is None or meta.max_query_len != 1:
-            num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
+            num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len,
+                                                head_dim)
         if num_splits > 1:
             block_m, tile_n, warps, stages = self.WIDE_HEAD_SPLIT_CONFIG if head_dim > 128 else self.SPLIT_CONFIG
             block_m = max(block_m, _next_pow2(g))

@@ -173,7 +173,8 @@ class ModelRunner:
         if choose is None:
             return None
         padded = next((s for s in self.graph_sizes if s >= num_reqs), num_reqs)
-        return choose(padded, self.model.num_local_kv_heads, 1, self.max_model_len)
+        return choose(padded, self.model.num_local_kv_heads, 1, self.max_model_len,
+                      getattr(self.model, "attention_head_dim", 128))
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.args.enforce_eager:

@@ -115,6 +115,9 @@ def test_choose_num_splits():
     assert long.choose_num_splits(64, 8, 1, 8191) == 1  # shorter than two such splits
     assert long.choose_num_splits(64, 8, 1, 1 << 20) == long.MAX_SPLITS
     assert long.choose_num_splits(64, 8, 2, 16384) == 1  # not decode-only
+    wide = ta.TritonAttentionBackend(num_sms=132)  # the defaults: heads wider than 128 split long contexts
+    assert wide.choose_num_splits(64, 8, 1, 16384, head_dim=256) == 16384 // wide.WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT
+    assert wide.choose_num_splits(64, 8, 1, 16384, head_dim=128) == 1
 
 
 # --- prefill and mixed -------------------------------------------------------------------------------

@@ -94,8 +94,9 @@ def test_gemma_decode_batch_bf16(window, long_context_split):
     """A decode-only batch of Gemma-3-12B-like heads (head_dim 256: the wide-head decode configurations), over
     contexts longer than the window; with long_context_split the full batch still takes the split-KV path."""
     backend = ta.TritonAttentionBackend()
-    backend.LONG_CONTEXT_KEYS_PER_SPLIT = long_context_split
+    backend.WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT = long_context_split
     ctx = [3000, 5000, 1500, 900, 4200, 2600, 6100, 1100] * 3
-    assert (backend.choose_num_splits(len(ctx), 8, 1, max(ctx) + 1) > 1) == (long_context_split is not None)
+    splits = backend.choose_num_splits(len(ctx), 8, 1, max(ctx) + 1, head_dim=256)
+    assert (splits > 1) == (long_context_split is not None)
     check(ctx, [1] * len(ctx), window, dtype=torch.bfloat16, atol=2e-2, num_heads=16, num_kv_heads=8,
           head_dim=256, block_size=16, seed=22, backend=backend)
