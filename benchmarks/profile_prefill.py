@@ -79,7 +79,8 @@ def gpu_ms_by_kind(events) -> dict[str, float]:
     kinds: dict[str, float] = {}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+            kind = kernel_kind(e.key)
+            kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 

@@ -81,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(base, cos, sin, rstd_eps, w_ptr, num_heads, NORM: tl.constexpr, HALF: tl.constexpr,
+def _rotate_heads(base, cos, sin, eps, w_ptr, num_heads, NORM: tl.constexpr, HALF: tl.constexpr,
                   HALF_P: tl.constexpr, HEADS_P: tl.constexpr, stride_h):
     """Rotates (rotate-half) the heads of one token at `base` in place; with NORM each head is first RMS-normed
     over its HALF * 2 dims with weight w (as _rms_norm_row: normed rounded to the activation dtype, then times
@@ -97,7 +97,7 @@ def _rotate_heads(base, cos, sin, rstd_eps, w_ptr, num_heads, NORM: tl.constexpr
     if NORM:
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         var = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
-        rstd = tl.rsqrt(var + rstd_eps)[:, None]
+        rstd = tl.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         x1 = (w1 * (x1f * rstd).to(dt).to(tl.float32)).to(dt)

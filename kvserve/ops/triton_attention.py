@@ -397,7 +397,9 @@ class TritonAttentionBackend:
     ``num_sms`` defaults to the current CUDA device's (132 on an H200; 132 where there is no GPU)."""
 
     # Launch configurations: (BLOCK_M rows, TILE_N keys per inner step, num_warps, num_stages).
-    # BLOCK_M is raised to the GQA group size where that is larger.
+    # BLOCK_M is raised to the GQA group size where that is larger. Heads wider than WIDE_HEAD_DIM (Gemma's 256)
+    # take the WIDE_HEAD_ settings (by_width).
+    WIDE_HEAD_DIM = 128
     PREFILL_CONFIG = (64, 32, 4, 2)  # unified kernel, batches with a query longer than 1
     # Steps with a 16-bit query of at least LONG_PREFILL_MIN_QUERY tokens (long prompts and their chunks: W2,
     # TTFT at 8k), where the attention's FLOPs grow with the square of the prompt: bigger tiles do more
@@ -409,7 +411,7 @@ class TritonAttentionBackend:
     LONG_PREFILL_MIN_QUERY = 2048
     DECODE_CONFIG = (16, 128, 4, 3)  # unified kernel, decode-only batches
     SPLIT_CONFIG = (16, 128, 4, 3)  # split-KV decode kernel
-    # Decode with heads wider than 128 (Gemma's 256): a K or V tile is twice the bytes a key, so shorter key steps
+    # Decode with wide heads: a K or V tile is twice the bytes a key, so shorter key steps
     # (benchmarks/sweep_decode_attention.py --gemma on the H200, BENCHMARKS.md).
     WIDE_HEAD_DECODE_CONFIG = (16, 64, 4, 2)
     WIDE_HEAD_SPLIT_CONFIG = (16, 32, 4, 3)
@@ -447,20 +449,24 @@ class TritonAttentionBackend:
         work = num_reqs * num_kv_heads
         by_len = max_seq_len // self.MIN_KEYS_PER_SPLIT
         if self.split_kv is None and (work * 2 > self.num_sms or by_len < 2):
-            long = self.WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT if head_dim > 128 else self.LONG_CONTEXT_KEYS_PER_SPLIT
+            long = self.by_width(head_dim, self.LONG_CONTEXT_KEYS_PER_SPLIT, self.WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT)
             return min(_cdiv(max_seq_len, long), self.MAX_SPLITS) if long and max_seq_len >= 2 * long else 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
+
+    def by_width(self, head_dim: int, narrow, wide):
+        """`wide` for heads wider than WIDE_HEAD_DIM, else `narrow`."""
+        return wide if head_dim > self.WIDE_HEAD_DIM else narrow
 
     def launch_config(self, max_query_len: int, head_dim: int = 128,
                       dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
         """The unified kernel's (BLOCK_M, TILE_N, num_warps, num_stages) for a step's longest query, the heads'
         width and the query's dtype."""
         if max_query_len == 1:
-            return self.WIDE_HEAD_DECODE_CONFIG if head_dim > 128 else self.DECODE_CONFIG
+            return self.by_width(head_dim, self.DECODE_CONFIG, self.WIDE_HEAD_DECODE_CONFIG)
         if max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2:
             return self.PREFILL_CONFIG
-        return self.WIDE_HEAD_LONG_PREFILL_CONFIG if head_dim > 128 else self.LONG_PREFILL_CONFIG
+        return self.by_width(head_dim, self.LONG_PREFILL_CONFIG, self.WIDE_HEAD_LONG_PREFILL_CONFIG)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -504,7 +510,7 @@ class TritonAttentionBackend:
             num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len,
                                                 head_dim)
         if num_splits > 1:
-            block_m, tile_n, warps, stages = self.WIDE_HEAD_SPLIT_CONFIG if head_dim > 128 else self.SPLIT_CONFIG
+            block_m, tile_n, warps, stages = self.by_width(head_dim, self.SPLIT_CONFIG, self.WIDE_HEAD_SPLIT_CONFIG)
             block_m = max(block_m, _next_pow2(g))
             part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
                                    device=q.device)
