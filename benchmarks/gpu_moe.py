@@ -229,6 +229,32 @@ def grouped_mm_paths(min_tokens: int) -> dict:
     return {"kvserve.ops.moe_grouped_mm.MIN_TOKENS": min_tokens}
 
 
+def swept_paths(path: str) -> dict:
+    """--tiles-from: the fused-MoE tile table with each entry a sweep measured replaced by that row's best
+    (benchmarks/sweep_moe_tiles.py's table_from_sweep), for a second run of each configuration in the same command."""
+    from benchmarks.sweep_moe_tiles import table_from_sweep
+
+    return {"kvserve.ops.fused_moe._gemm_config": table_from_sweep(path)}
+
+
+def parallel_sort_paths(above_pairs: int) -> dict:
+    """--parallel-sort-above: steps of more pairs than this sorted by the parallel pair sort
+    (kvserve/ops/moe_align.py's PARALLEL_ABOVE_PAIRS), for a second run of each configuration."""
+    return {"kvserve.ops.moe_align.PARALLEL_ABOVE_PAIRS": above_pairs}
+
+
+def variant_paths(args) -> list[tuple[str, dict]]:
+    """The (label suffix, module attributes) of each variant asked for on the command line, besides --previous."""
+    out = []
+    if args.grouped_mm_min_tokens is not None:
+        out.append(("grouped_mm", grouped_mm_paths(args.grouped_mm_min_tokens)))
+    if args.tiles_from:
+        out.append(("swept", swept_paths(args.tiles_from)))
+    if args.parallel_sort_above is not None:
+        out.append(("parallel_sort", parallel_sort_paths(args.parallel_sort_above)))
+    return out
+
+
 def zero_routers(model: torch.nn.Module) -> int:
     """Zero every MoE router's weights in place (CUDA graphs replay on the same memory): all logits 0, so the
     routing's ties send every token to the same top_k experts, as vLLM 0.26.0's fp8 dummy model
@@ -290,11 +316,15 @@ def main():
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--configs", default="bf16,fp8", help="engine configurations to run, comma-separated")
+    ap.add_argument("--configs", default="bf16,fp8", help="engine configurations to run, comma-separated (\"\": the --checkpoint run only)")
     ap.add_argument("--previous", action="store_true", help="also run each engine configuration on the previous "
                                                              "paths (previous_paths) for a same-command ratio")
     ap.add_argument("--grouped-mm-min-tokens", type=int, help="also run each engine configuration with steps of "
                     "at least this many tokens through torch's grouped GEMM (grouped_mm_paths)")
+    ap.add_argument("--tiles-from", help="also run each engine configuration on the tile table of this "
+                    "benchmarks/sweep_moe_tiles.py JSON (swept_paths)")
+    ap.add_argument("--parallel-sort-above", type=int, help="also run each engine configuration with steps of "
+                    "more pairs than this through the parallel pair sort (parallel_sort_paths)")
     ap.add_argument("--zero-router", action="store_true", help="also run each engine configuration with every "
                     "router zeroed (zero_routers): every token to the same top_k experts, as vLLM's fp8 dummy model "
                     "routes")
@@ -317,18 +347,19 @@ def main():
     if not args.skip_parity:
         checks["parity"] = parity(results)
     if not args.skip_engine:
-        for quantization in [None if q == "bf16" else q for q in args.configs.split(",")]:
+        for quantization in [None if q == "bf16" else q for q in args.configs.split(",") if q]:
             if args.previous:
                 engine(results, args.num_requests, quantization, args, "previous", previous_paths())
             if not args.variants_only:
                 engine(results, args.num_requests, quantization, args)
-            if args.grouped_mm_min_tokens is not None:
-                engine(results, args.num_requests, quantization, args, "grouped_mm",
-                       grouped_mm_paths(args.grouped_mm_min_tokens))
+            for variant, paths in variant_paths(args):
+                engine(results, args.num_requests, quantization, args, variant, paths)
             if args.zero_router:
                 engine(results, args.num_requests, quantization, args, "zero_router", zero_router=True)
         if args.checkpoint:
             engine(results, args.num_requests, None, args, checkpoint=args.checkpoint)
+            for variant, paths in variant_paths(args):
+                engine(results, args.num_requests, None, args, variant, paths, checkpoint=args.checkpoint)
     vllm = results["vllm"] = load_vllm(args.vllm_dir)
     with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -359,18 +390,20 @@ def main():
     print("\n| Qwen3-30B-A3B shape, dummy weights (checkpoint: --checkpoint's) | W1 output tok/s (s) | batch-1 tok/s "
           "| weights GiB | start (s) | vLLM W1 / batch-1 tok/s | kvserve / vLLM W1, batch-1 (target >= 1.00x) |")
     print("|---|---|---|---|---|---|---|")
-    # A zero_router run is compared with vLLM's run of its configuration (vLLM's fp8 dummy model routes so).
-    for label in ("bf16", "fp8", "checkpoint", "bf16_zero_router", "fp8_zero_router"):
+    # A variant's run (zero_router, swept, ...) is compared with vLLM's run of its configuration.
+    for label in ("bf16", "fp8", "checkpoint", "bf16_zero_router", "fp8_zero_router", "checkpoint_swept",
+                  "checkpoint_parallel_sort"):
         if f"{label}_w1" in results:
             w, b = results[f"{label}_w1"], results[f"{label}_batch1"]
-            v = vllm.get(label.removesuffix("_zero_router"))
+            v = vllm.get(label.split("_")[0])
             versus = (f"{v['vllm_offline_out_tok_per_s']} / {v['bs1_out_tok_per_s']} | "
                       f"{w['output_tok_s'] / v['vllm_offline_out_tok_per_s']:.2f}x, "
                       f"{b['output_tok_s'] / v['bs1_out_tok_per_s']:.2f}x" if v else "not run | -")
             print(f"| {label} | {w['output_tok_s']} ({w['seconds']}) | {b['output_tok_s']} | "
                   f"{results[f'{label}_weights_GiB']} | {results[f'{label}_start_to_ready_s']} | {versus} |")
-    for label in ("bf16", "fp8"):
-        for variant, name in (("previous", "previous paths"), ("grouped_mm", "torch grouped GEMM")):
+    for label in ("bf16", "fp8", "checkpoint"):
+        for variant, name in (("previous", "previous paths"), ("grouped_mm", "torch grouped GEMM"),
+                              ("swept", "swept tiles"), ("parallel_sort", "parallel pair sort")):
             if f"{label}_{variant}_w1" not in results or f"{label}_w1" not in results:
                 continue
             now, other = results[f"{label}_w1"], results[f"{label}_{variant}_w1"]

@@ -1,6 +1,7 @@
 """Tile configurations of the fused-MoE grouped GEMM (kvserve/ops/fused_moe.py) on the GPU, each checked first.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/sweep_moe_tiles.py [--out $OUT] [--quick: Qwen3 only]
+        [--tokens 256,1024] [--kinds fp8_w8a8]
 
 For the Qwen3-30B-A3B expert shape (128 experts, top-8, hidden 2048, width 768) and Mixtral-8x7B's (8, top-2,
 4096, 14336), bf16 experts and fp8 experts on the W8A8 path, at token counts from a batch-1 decode step to a
@@ -10,7 +11,7 @@ replays (median) with
   per expert), the baseline of this command's ratios;
 * "current": `_gemm_config` as it is;
 * every candidate in CANDIDATES that fits the step (one-block-per-pair only up to 64 pairs; each short row
-  block also with the transposed product, SWAP_AB), then the down projection's own tiles (DOWN_CANDIDATES)
+  block also with the transposed product, SWAP_AB; for fp8 also FP8_CANDIDATES, deeper tiles), then the down projection's own tiles (DOWN_CANDIDATES)
   on the best, then for fp8 the best with FAST_ACCUM; each output checked against the current
   configuration's (|diff| / |out| < 1e-2, Euclidean norms: W8A8 tiles may round an activation to the other
   e4m3 neighbour; a candidate that fails, or does not compile, is reported and skipped);
@@ -18,7 +19,8 @@ replays (median) with
   the parallel pair sort (kvserve/ops/moe_align.py; one-block-per-pair steps have no sort), checked the same
   way.
 Prints the best candidate per row and its time relative to "previous" and "current", and the expert-weight
-bytes each call reads per second. JSON goes to OUT/sweep_moe_tiles.json; a markdown table is printed last.
+bytes each call reads per second. JSON goes to OUT/sweep_moe_tiles.json (each row's best tiles included:
+`table_from_sweep` turns it into a tile table the engine can run on); a markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ CANDIDATES = (
         (64, 64, 128, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
         (64, 256, 128, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3))]
 )
+# fp8 (W8A8) tiles hold half the bytes of bf16 ones at the same shape: deeper in K, wider in N, more stages, so a
+# program keeps as many weight bytes in flight; GROUP_M 1 (each sorted block is one expert: grouping shares no tile).
+FP8_CANDIDATES = [_tiles(False, m, n, k, g, w, st) for m, n, k, g, w, st in (
+    (16, 64, 256, 1, 4, 4), (16, 128, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4), (32, 64, 128, 1, 2, 4),
+    (32, 64, 256, 1, 4, 3), (32, 64, 256, 1, 4, 4), (32, 128, 256, 1, 4, 3), (32, 128, 256, 1, 8, 3),
+    (32, 128, 128, 1, 4, 4), (32, 128, 128, 1, 4, 5), (32, 256, 128, 1, 8, 3), (32, 256, 128, 1, 4, 2),
+    (32, 64, 512, 1, 4, 2), (32, 32, 512, 1, 4, 3), (64, 64, 256, 1, 4, 3), (64, 128, 256, 1, 8, 3),
+    (64, 128, 128, 1, 4, 4))]
+FP8_DOWN_CANDIDATES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP_AB": False}
+                       for n, k, w, st in ((128, 256, 4, 3), (128, 256, 8, 3), (64, 256, 4, 4), (256, 128, 8, 3),
+                                           (128, 128, 4, 5), (64, 128, 4, 5), (32, 128, 2, 4), (256, 64, 4, 3))]
 # The transposed product (SWAP_AB) where the weight tile can be the MMA's tall side and the row block is short.
 CANDIDATES += tuple({**c, "SWAP_AB": True} for c in CANDIDATES if c["BLOCK_M"] < 64 and c["BLOCK_N"] >= 64)
 # Then the down projection's own tiles, tried on the best row layout found (both GEMMs share it).
@@ -110,7 +123,7 @@ def checked_time(paths: dict, call, ref, failures: list, label: str) -> float | 
     return ms
 
 
-def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
+def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows, kinds=("bf16", "fp8_w8a8")):
     from kvserve.model.quantization.fp8_moe import _quantize_experts
     from kvserve.ops import fused_moe
     from kvserve.ops.fused_moe import fused_moe_triton
@@ -129,6 +142,8 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
         for kind, call in (("bf16", functools.partial(fused_moe_triton, x, w13, w2, weights, ids)),
                            ("fp8_w8a8", functools.partial(fused_moe_triton, x, q13, q2, weights, ids, s13, s2,
                                                           quantize_activations=True))):
+            if kind not in kinds:
+                continue
             weight_bytes = hit * 3 * hidden * inter * (2 if kind == "bf16" else 1)
             row = {"shape": label, "tokens": tokens, "kind": kind, "experts_hit": hit}
             row["previous_ms"], _ = timed({GEMM_CONFIG: previous_config}, call)
@@ -143,17 +158,18 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
                     best = (ms, cfg)
 
             swap_ok = kind == "bf16"  # the transposed product takes 16-bit operands only (fused_moe._grouped_gemm)
-            for cfg in CANDIDATES:
+            for cfg in CANDIDATES + (FP8_CANDIDATES if kind != "bf16" else []):
                 if (not cfg["PER_PAIR"] or pairs <= 64) and (swap_ok or not cfg["SWAP_AB"]):
                     attempt(cfg)
             if best is not None:
                 layout = best[1]
-                for down in DOWN_CANDIDATES:
+                for down in DOWN_CANDIDATES + (FP8_DOWN_CANDIDATES if kind != "bf16" else []):
                     if swap_ok or not down["SWAP_AB"]:
                         attempt({**layout, "DOWN": down})
             if best is not None and kind != "bf16":  # fp8: the whole K in the tensor cores' accumulator
                 attempt({**best[1], "FAST_ACCUM": True, "DOWN": {**best[1]["DOWN"], "FAST_ACCUM": True}})
             row["best_ms"], row["best_config"] = (best[0], short(best[1])) if best else (None, None)
+            row["best_tiles"] = best[1] if best else None
             # torch's grouped GEMM for the whole call; the parallel pair sort under the current tiles
             row["grouped_mm_ms"] = checked_time({"kvserve.ops.moe_grouped_mm.MIN_TOKENS": 1}, call, ref, failures,
                                                 "torch grouped GEMM")
@@ -165,16 +181,38 @@ def sweep_shape(label, experts, top_k, hidden, inter, tokens_list, rows):
             print("sweep", json.dumps(row), flush=True)
 
 
+def table_from_sweep(path: str):
+    """A stand-in for fused_moe._gemm_config from a sweep's JSON: where the current table's entry for a step
+    (by shape and dtype) is the one a swept row ran as "current", that row's best; elsewhere the current entry.
+    Set as kvserve.ops.fused_moe._gemm_config (benchmarks/gpu_moe.py --tiles-from) to run the engine on it."""
+    from kvserve.ops import fused_moe
+
+    current = fused_moe._gemm_config
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    best = {(r["shape"], r["kind"] != "bf16", r["current_config"]): r["best_tiles"] for r in rows if r["best_tiles"]}
+    shape_of = {(e, k): label for label, (e, k, *_) in SHAPES.items()}
+
+    def swept(pairs: int, num_experts: int, top_k: int = 1, fp8: bool = False) -> dict:
+        cfg = current(pairs, num_experts, top_k, fp8)
+        return best.get((shape_of.get((num_experts, top_k)), fp8, short(cfg)), cfg)
+
+    return swept
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="the Qwen3 shape only")
+    ap.add_argument("--tokens", help=f"token counts, comma-separated (default: {','.join(map(str, TOKENS))})")
+    ap.add_argument("--kinds", default="bf16,fp8_w8a8", help="bf16 and/or fp8_w8a8, comma-separated")
     args = ap.parse_args()
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
     rows = []
     for label, shape in SHAPES.items():
         if args.quick and label != "qwen3-30b-a3b":
             continue
-        sweep_shape(label, *shape, TOKENS, rows)
+        sweep_shape(label, *shape, tokens, rows, tuple(args.kinds.split(",")))
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "sweep_moe_tiles.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
