@@ -35,5 +35,7 @@ echo "vllm rc $?"; cp /tmp/vres/vllm_bench_moe_checkpoint.json "$OUT/" 2>/dev/nu
 tail -5 "$OUT/vllm_checkpoint.log"
 fi
 [ "$ENGINES" = vllm ] && exit 0
-timeout 200 python3 benchmarks/gpu_moe.py --checkpoint "$CKPT" --configs fp8 --variants-only --skip-parity \
-    --skip-kernel --vllm-dir /tmp/vres --out "$OUT" 2>&1 | tail -14
+# MOE_ARGS: more benchmarks/gpu_moe.py arguments, e.g. its variants ("--tiles-from FILE", each one more run);
+# KVSERVE_LIMIT_S: the time limit of kvserve's part (about 150 s a run).
+timeout "${KVSERVE_LIMIT_S:-200}" python3 benchmarks/gpu_moe.py --checkpoint "$CKPT" --configs "" --skip-parity \
+    --skip-kernel --vllm-dir /tmp/vres --out "$OUT" ${MOE_ARGS:-} 2>&1 | tail -24
