@@ -15,7 +15,7 @@ num_rows).
 
 Two Triton paths, chosen by P: one program (one launch), and for large steps (prefill chunks, large decode
 batches, where one program's serial loops over the pairs dominate) a zeroing, a counting kernel and a placing
-kernel, each over blocks of pairs (from PARALLEL_ABOVE_PAIRS pairs; off by default until measured).
+kernel, each over blocks of pairs (above PARALLEL_ABOVE_PAIRS pairs).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 # Steps of more than this many pairs are sorted over blocks of pairs (count, then place); None: every step by
-# one program. Off until timed on a GPU (benchmarks/sweep_moe_tiles.py times the whole layer).
-PARALLEL_ABOVE_PAIRS: int | None = None
+# one program. On the H200 the two tie on a whole Qwen3-MoE layer at 2,048 pairs and the parallel sort wins at
+# 8,192 (benchmarks/sweep_moe_tiles.py; BENCHMARKS.md, 2026-12-04).
+PARALLEL_ABOVE_PAIRS: int | None = 2048
 CHUNK = 1024
 
 
