@@ -8,7 +8,9 @@
 # 1. benchmarks/write_random_checkpoint.py writes the checkpoint to $CKPT (~31 GB; skipped when it is there).
 # 2. vLLM's W1 and batch-1 on it (the bundle's vllm_bench.py), then kvserve's (benchmarks/gpu_moe.py --checkpoint),
 #    whose table prints the ratio. Each step has its own time limit, so one slow start cannot take the call.
-# 3. With SPREAD=1 only (a second call on the same warm machine: the checkpoint stays in /tmp), both engines'
+# 3. With PROFILE=1 only (the checkpoint written or found as in 1.), where each engine's W1 decode step goes instead:
+#    benchmarks/profile_moe_steps.py for vLLM, then kvserve, then their side-by-side table (JSON in /tmp/vres too).
+# 4. With SPREAD=1 only (a second call on the same warm machine: the checkpoint stays in /tmp), both engines'
 #    routing spread on it instead (benchmarks/moe_routing_spread.py --checkpoint, eager, 64 requests).
 # ENGINES=vllm or ENGINES=kvserve runs one engine's part only (two calls on one warm machine when one call's time
 # limit cannot hold both; kvserve's part reads vLLM's result from /tmp/vres). Results go to $OUT.
@@ -28,6 +30,17 @@ if [ "${SPREAD:-0}" = 1 ]; then
   exit 0
 fi
 ENGINES="${ENGINES:-both}"
+if [ "${PROFILE:-0}" = 1 ]; then
+  for engine in vllm kvserve; do
+    [ "$ENGINES" = both ] || [ "$ENGINES" = "$engine" ] || continue
+    OUT=/tmp/vres timeout 330 python3 benchmarks/profile_moe_steps.py --engine "$engine" --checkpoint "$CKPT" \
+        > "$OUT/profile_$engine.log" 2>&1
+    echo "profile $engine rc $?"; tail -2 "$OUT/profile_$engine.log"
+  done
+  cp /tmp/vres/moe_steps_*.json "$OUT/" 2>/dev/null
+  python3 benchmarks/profile_moe_steps.py --table /tmp/vres
+  exit 0
+fi
 if [ "$ENGINES" != kvserve ]; then
 OUT=/tmp/vres timeout 330 python3 .vllm/vllm_bench.py --shape qwen3-30b-a3b --tag _moe_checkpoint \
     --extra "{\"model\": \"$CKPT\", \"load_format\": \"auto\"}" > "$OUT/vllm_checkpoint.log" 2>&1
