@@ -13,7 +13,8 @@
 # 4. With SPREAD=1 only (a second call on the same warm machine: the checkpoint stays in /tmp), both engines'
 #    routing spread on it instead (benchmarks/moe_routing_spread.py --checkpoint, eager, 64 requests).
 # ENGINES=vllm or ENGINES=kvserve runs one engine's part only (two calls on one warm machine when one call's time
-# limit cannot hold both; kvserve's part reads vLLM's result from /tmp/vres). Results go to $OUT.
+# limit cannot hold both; kvserve's part reads vLLM's result from /tmp/vres); PASSES=2 times W1 twice on each engine.
+# Results go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -30,6 +31,7 @@ if [ "${SPREAD:-0}" = 1 ]; then
   exit 0
 fi
 ENGINES="${ENGINES:-both}"
+PASSES="${PASSES:-1}"  # timed W1 passes of each engine (the best is the row; all of them show the spread)
 if [ "${PROFILE:-0}" = 1 ]; then
   for engine in vllm kvserve; do
     [ "$ENGINES" = both ] || [ "$ENGINES" = "$engine" ] || continue
@@ -42,7 +44,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
   exit 0
 fi
 if [ "$ENGINES" != kvserve ]; then
-OUT=/tmp/vres timeout 330 python3 .vllm/vllm_bench.py --shape qwen3-30b-a3b --tag _moe_checkpoint \
+OUT=/tmp/vres timeout 330 python3 .vllm/vllm_bench.py --shape qwen3-30b-a3b --tag _moe_checkpoint --passes "$PASSES" \
     --extra "{\"model\": \"$CKPT\", \"load_format\": \"auto\"}" > "$OUT/vllm_checkpoint.log" 2>&1
 echo "vllm rc $?"; cp /tmp/vres/vllm_bench_moe_checkpoint.json "$OUT/" 2>/dev/null
 tail -5 "$OUT/vllm_checkpoint.log"
@@ -51,4 +53,4 @@ fi
 # MOE_ARGS: more benchmarks/gpu_moe.py arguments, e.g. its variants ("--tiles-from FILE", each one more run);
 # KVSERVE_LIMIT_S: the time limit of kvserve's part (about 150 s a run).
 timeout "${KVSERVE_LIMIT_S:-200}" python3 benchmarks/gpu_moe.py --checkpoint "$CKPT" --configs "" --skip-parity \
-    --skip-kernel --vllm-dir /tmp/vres --out "$OUT" ${MOE_ARGS:-} 2>&1 | tail -24
+    --skip-kernel --vllm-dir /tmp/vres --out "$OUT" --passes "$PASSES" ${MOE_ARGS:-} 2>&1 | tail -24
