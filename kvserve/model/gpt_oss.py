@@ -5,8 +5,9 @@ a biased router whose top-k logits are softmaxed, biased experts with the clampe
 What differs here is the checkpoint: HF stores each layer's experts stacked and transposed
 (`experts.gate_up_proj` [E, H, 2I] with gate and up features interleaved, `experts.down_proj` [E, I, H], and
 biases [E, 2I] / [E, H]); the released checkpoints hold the two weights in MXFP4 instead (`_blocks` and
-`_scales`, [E, out, in / 32, ...]: kvserve/model/quantization/mxfp4.py), dequantized here at load. Either
-way each expert is split into our layout (w13: gate rows, then up rows) one expert at a time.
+`_scales`, [E, out, in / 32, ...]: kvserve/model/quantization/mxfp4.py), kept packed where the experts' method
+serves them so (FusedMoE.mxfp4_packed), else dequantized here at load. Either way each expert is split into our
+layout (w13: gate rows, then up rows) one expert at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from kvserve.model.layers import as_tensor
 from kvserve.model.llama_moe import MoeForCausalLM
 from kvserve.model.moe import FusedMoE
-from kvserve.model.quantization.mxfp4 import dequantize_mxfp4
+from kvserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
 _EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
@@ -51,12 +52,18 @@ class GptOssForCausalLM(MoeForCausalLM):
         w13 = proj == "gate_up_proj"
         target = f"{module}.{'w13' if w13 else 'w2'}_{'bias' if kind == '_bias' else 'weight'}"
         if kind in ("_blocks", "_scales"):
+            packed = getattr(experts, "mxfp4_packed", False)
+            # Packed, the scales have a parameter of their own; dequantized, both halves make the weight.
+            loads = f"{target}_scale" if packed and kind == "_scales" else target
             halves = self._mxfp4_halves.setdefault((module, proj), {})
             halves[kind] = tensor
             if len(halves) < 2:
-                return target  # loaded once its other half arrives
+                return loads  # loaded once its other half arrives
             del self._mxfp4_halves[(module, proj)]
             blocks, scales = halves["_blocks"], halves["_scales"]
+            if packed:
+                self._load_packed(experts, params, target, w13, blocks, scales)
+                return loads
 
             def weight_of(e):  # MXFP4 is stored [out, in]: our orientation
                 return dequantize_mxfp4(_expert(blocks, e), _expert(scales, e), torch.float32)
@@ -78,3 +85,21 @@ class GptOssForCausalLM(MoeForCausalLM):
             if weight_of is not None:
                 experts.loaded_shards.update({(e, "gate"), (e, "up")} if w13 else {(e, "down")})
         return target
+
+    @staticmethod
+    def _load_packed(experts: FusedMoE, params: dict, target: str, w13: bool, blocks, scales) -> None:
+        """MXFP4 experts as stored: each expert's bytes [out, in / 2] and scales [out, in / 32] (rows of gate and
+        up interleaved, as for the float experts)."""
+        for e in range(experts.num_experts):
+            if not experts.is_local(e):
+                continue
+            expert_blocks = _expert(blocks, e)
+            values = (expert_blocks.reshape(expert_blocks.shape[0], -1), 2, params[target]), \
+                (_expert(scales, e), GROUP, params[target + "_scale"])
+            for value, per_column, param in values:
+                if w13:
+                    experts.packed_weight_loader(param, value[0::2], "gate", e, per_column)
+                    experts.packed_weight_loader(param, value[1::2], "up", e, per_column)
+                else:
+                    experts.packed_weight_loader(param, value, "down", e, per_column)
+            experts.loaded_shards.update({(e, "gate"), (e, "up")} if w13 else {(e, "down")})

@@ -102,7 +102,8 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
 
 def _fill_dummy_quantized(name: str, param: torch.nn.Parameter, gen: torch.Generator) -> None:
     """Packed int weights: random bit patterns (uniform 4/8-bit values); int zero points: every field at
-    mid-range (8 or 128), so weights are centred; g_idx is left as created; fp8: uniform values."""
+    mid-range (8 or 128), so weights are centred; g_idx is left as created; fp8: uniform values; MXFP4: random
+    bytes under small scales."""
     if name.endswith("g_idx"):
         return
     if name.endswith("qzeros"):
@@ -115,6 +116,15 @@ def _fill_dummy_quantized(name: str, param: torch.nn.Parameter, gen: torch.Gener
     if param.dtype == torch.int32:
         param.data.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, param.shape, generator=gen, device=param.device,
                                        dtype=torch.int64).to(torch.int32))
+        return
+    if param.dtype == torch.uint8:  # MXFP4 experts: random E2M1 pairs, E8M0 scales 2^-9 (weights up to ~1e-2)
+        from kvserve.ops.mxfp4 import SCALE_BIAS
+
+        if name.endswith("weight_scale"):
+            param.data.fill_(SCALE_BIAS - 9)
+        else:
+            param.data.copy_(torch.randint(0, 256, param.shape, generator=gen, device=param.device,
+                                           dtype=torch.int32).to(torch.uint8))
         return
     param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(-448, 448, generator=gen).to(param.dtype))
 

@@ -182,6 +182,23 @@ class FusedMoE(nn.Module):
             _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
         return True
 
+    def packed_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int,
+                             inputs_per_column: int) -> bool:
+        """One expert's projection (or its scales) in a packed format whose stored columns each hold
+        `inputs_per_column` inputs (MXFP4: two a byte, its scales one a group): the rows are split as
+        weight_loader splits them, the down projection's columns by this rank's share of the inputs."""
+        local = expert - self.first_expert
+        if not self.is_local(expert):
+            return False
+        size, what = self.intermediate, f"expert {expert} {shard}"
+        if shard == "down":
+            columns = size // inputs_per_column
+            _copy_into(param.data[local], loaded.narrow(1, self.tp_rank * columns, columns), what)
+        else:
+            target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
+            _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), what)
+        return True
+
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, local: int, expert: int) -> None:
         """An fp8 expert's weight_scale: one per tensor (spread over this rank's rows of it) or one per output
         channel ([N] or [N, 1]: this rank's rows). The down projection's rows (the hidden size) are not split."""

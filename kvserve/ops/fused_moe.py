@@ -26,6 +26,10 @@ weights with per-output-channel float32 scales (w13_scale [E, 2 * I], w2_scale [
   e4m3 by e4m3 on the FP8 tensor cores into fp32, scaled after the K loop by a_scale[row] * w_scale[column].
   Twice the bf16 MMA rate, one more launch (x's quantization) than weight-only, and the activations' rounding
   to 3 mantissa bits.
+MXFP4 experts (gpt-oss's checkpoints; uint8 weights, kvserve/ops/mxfp4.py) stay packed: w13 [E, 2 * I, H / 2] and
+w2 [E, H, I / 2] bytes of two E2M1 values, with uint8 E8M0 scales [E, N, K / 32] in place of w13_scale / w2_scale.
+The kernel decodes each weight tile (bit operations, then the group's power of two) to the activation dtype,
+exactly, and multiplies in it; the sums are those of the dequantized weights. Weight-only: x is not quantized.
 The reference dequantizes the weights (and, for W8A8, quantizes and dequantizes the activations the same way,
 multiplying in fp32).
 Experts not on this rank (expert parallelism) have id -1 in `local_ids` and contribute nothing.
@@ -37,6 +41,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.ops.mxfp4 import GROUP as MXFP4_GROUP
+from kvserve.ops.mxfp4 import dequantize_mxfp4, is_mxfp4
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ SILU = ExpertActivation()
 def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w[e]
+    if is_mxfp4(w):
+        return dequantize_mxfp4(w[e], scale[e], dtype)
     return (w[e].float() * scale[e][:, None]).to(dtype)
 
 
@@ -85,8 +94,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     quantize_activations (fp8 experts): the W8A8 math, each GEMM's input quantized per row (x per token, the
     activated pairs per pair), both operands dequantized and multiplied in fp32; rounded to x's dtype where the
     Triton path stores (gate_up, and each pair's weighted output row), its K rows summed in fp32."""
-    if quantize_activations and (w13_scale is None or w2_scale is None):
-        raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
+    _check_formats(w13, w13_scale, w2_scale, quantize_activations)
     dot_dtype = torch.float32 if quantize_activations else x.dtype
     a = _fp8_rows(x) if quantize_activations else x  # once per token: a token's K pairs share its row
     out = torch.zeros(x.shape, dtype=torch.float32 if quantize_activations else x.dtype, device=x.device)
@@ -105,6 +113,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
             y = y + w2_bias[e]
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype).to(out.dtype))
     return out.to(x.dtype)
+
+
+def _check_formats(w13, w13_scale, w2_scale, quantize_activations: bool) -> None:
+    if quantize_activations and (w13_scale is None or w2_scale is None or is_mxfp4(w13)):
+        raise ValueError("quantize_activations needs fp8 experts (e4m3 weights, w13_scale and w2_scale)")
+    if is_mxfp4(w13) and (w13_scale is None or w2_scale is None):
+        raise ValueError("MXFP4 experts (uint8 weights) need their E8M0 scales as w13_scale and w2_scale")
 
 
 # Steps of up to this many (token, k) pairs may skip the sort: each pair is its own block (PER_PAIR).
@@ -158,11 +173,12 @@ def _get_kernel():
     def moe_grouped_gemm(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, weights_ptr, sorted_pairs_ptr,
                          block_expert_ptr, num_rows_ptr, N, K, num_pairs, capacity,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                         stride_se, stride_sn, stride_bias_e,
+                         stride_se, stride_sn, stride_sk, stride_bias_e,
                          A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PER_PAIR: tl.constexpr,
-                         SWAP_AB: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         SWAP_AB: tl.constexpr, FAST_ACCUM: tl.constexpr, B_MXFP4: tl.constexpr,
+                         MX_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[pair, :] = (A[row of pair] @ B[expert]^T (* a_scale[row] * scale) (+ bias[expert])) (* routing
         weight), one block of sorted pairs (one expert) by one block of N per program. A_ROWS_PER_PAIR: K pairs
         share a token's row of x (the gate_up GEMM), or each pair has its own row (the down GEMM reads the
@@ -173,7 +189,9 @@ def _get_kernel():
         FAST_ACCUM: the K loop accumulates inside the dot (tl.dot's acc). The same sums for 16/32-bit operands
         (Triton makes `acc += dot` into that anyway); for e4m3 x e4m3 on sm_90 it lets the FP8 tensor cores
         accumulate the whole K in their reduced-precision accumulator (torch._scaled_mm's use_fast_accum),
-        where `acc += dot` adds each BLOCK_K's product into fp32."""
+        where `acc += dot` adds each BLOCK_K's product into fp32.
+        B_MXFP4: B is MXFP4 bytes [E, N, K / 2] (stride_bk steps one byte: two inputs) and b_scale_ptr its E8M0
+        scales [E, N, K / MX_GROUP] (stride_sk), decoded per tile into A's dtype; HAS_SCALE is then False."""
         pid = tl.program_id(0)
         if PER_PAIR:
             # The pairs of one block of N run side by side: pairs that share an expert share its tile in L2.
@@ -224,18 +242,40 @@ def _get_kernel():
         else:
             a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+            if B_MXFP4:  # [BLOCK_N, BLOCK_K / 2] bytes, and the scale of each input's group
+                offs_kb = tl.arange(0, BLOCK_K // 2)
+                b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + offs_kb[None, :] * stride_bk
+                s_ptrs = (b_scale_ptr + expert * stride_se + offs_n[:, None] * stride_sn
+                          + (offs_k // MX_GROUP)[None, :] * stride_sk)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, tl.cdiv(K, BLOCK_K)):
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                if B_MXFP4:
+                    packed = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_kb[None, :] < k_left // 2), other=0)
+                    packed = packed.to(tl.int32)
+                    # Input 2j is byte j's low nibble, 2j + 1 its high one. E2M1 magnitude m = 2e + f as an fp32:
+                    # e = 0 is 0 or 0.5 (exponent field 126, no mantissa), else 2^(e-1) * (1 + f/2).
+                    nib = tl.interleave(packed & 15, packed >> 4)
+                    mag = nib & 7
+                    exp = mag >> 1
+                    bits = ((exp + 126) << 23) | tl.where(exp > 0, (mag & 1) << 22, 0)
+                    w = tl.where(mag == 0, 0, bits).to(tl.float32, bitcast=True)
+                    w = tl.where(nib >= 8, -w, w)
+                    # The group's E8M0 scale 2^(s - 127) is the fp32 with exponent field s (s = 0 reads as 0).
+                    scale = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=127)
+                    w *= (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                    b = tl.trans(w.to(a.dtype))  # exact: at most 2 significant bits times a power of two
+                    s_ptrs += (BLOCK_K // MX_GROUP) * stride_sk
+                else:
+                    b = tl.load(b_ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
                 # e4m3 A (W8A8): e4m3 x e4m3 on the FP8 tensor cores; else the weight in A's dtype. fp32 sums.
                 if FAST_ACCUM:
                     acc = tl.dot(a, b.to(a.dtype), acc)
                 else:
                     acc += tl.dot(a, b.to(a.dtype))
                 a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+                b_ptrs += (BLOCK_K // 2 if B_MXFP4 else BLOCK_K) * stride_bk
         if HAS_A_SCALE:
             acc *= tl.load(a_scale_ptr + a_row, mask=pair_mask, other=0.0)[:, None]
         if HAS_SCALE:
@@ -258,9 +298,13 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
     import triton
 
     num_pairs = c.shape[0]
-    n, k = b.shape[1], b.shape[2]
+    mxfp4 = is_mxfp4(b)
+    n, k = b.shape[1], b.shape[2] * (2 if mxfp4 else 1)
     capacity = sorted_pairs.numel()
     cfg = {k: v for k, v in cfg.items() if k != "DOWN"}
+    if mxfp4 and (cfg["SWAP_AB"] or cfg["BLOCK_K"] % MXFP4_GROUP or a_scale is not None):
+        raise ValueError(f"MXFP4 experts take 16/32-bit activations and tiles with SWAP_AB=False and BLOCK_K a "
+                         f"multiple of {MXFP4_GROUP}, not {cfg}")
     if cfg["SWAP_AB"] and a.element_size() == 1:
         # Compiled for sm_90 (Triton 3.6), e4m3 x e4m3 with the rows of pairs as the MMA's narrow side gave wrong
         # sums on the H200 (BENCHMARKS.md, 2026-12-03): the transposed product serves 16-bit operands only.
@@ -279,9 +323,9 @@ def _grouped_gemm(a, b, b_scale, bias, c, weights, sorted_pairs, block_expert, n
         block_expert, num_rows, n, k, num_pairs, capacity,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scale.stride(0) if b_scale is not None else 0, scale.stride(1) if b_scale is not None else 0,
-        bias.stride(0) if bias is not None else 0,
-        A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None,
-        HAS_A_SCALE=a_scale is not None, HAS_BIAS=bias is not None, **cfg,
+        scale.stride(2) if mxfp4 else 0, bias.stride(0) if bias is not None else 0,
+        A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None and not mxfp4,
+        HAS_A_SCALE=a_scale is not None, HAS_BIAS=bias is not None, B_MXFP4=mxfp4, MX_GROUP=MXFP4_GROUP, **cfg,
     )
 
 
@@ -293,11 +337,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     """Same contract as fused_moe_torch. all_experts_local=False (expert parallelism): pairs routed elsewhere
     leave their rows zero. quantize_activations: the W8A8 path (fp8 experts). Steps that
     kvserve/ops/moe_grouped_mm.py serves go to torch's grouped GEMM instead."""
-    if quantize_activations and (w13_scale is None or w2_scale is None):
-        raise ValueError("quantize_activations needs fp8 experts (w13_scale and w2_scale)")
+    _check_formats(w13, w13_scale, w2_scale, quantize_activations)
     from kvserve.ops import moe_grouped_mm
 
-    if moe_grouped_mm.serves(local_ids.shape[0], x, w13_scale is not None, quantize_activations):
+    if not is_mxfp4(w13) and moe_grouped_mm.serves(local_ids.shape[0], x, w13_scale is not None,
+                                                    quantize_activations):
         return moe_grouped_mm.fused_moe_grouped_mm(x, w13, w2, topk_weights, local_ids, w13_scale, w2_scale,
                                                    all_experts_local, w13_bias, w2_bias, activation,
                                                    quantize_activations)
@@ -306,7 +350,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     from kvserve.ops.moe_align import align_block_size_triton
 
     tokens, top_k = local_ids.shape
-    num_experts, inter = w2.shape[0], w2.shape[-1]
+    num_experts, inter = w2.shape[0], w2.shape[-1] * (2 if is_mxfp4(w2) else 1)
     pairs = tokens * top_k
     cfg = _gemm_config(pairs, num_experts, top_k, fp8=quantize_activations)
     if cfg["PER_PAIR"]:

@@ -27,6 +27,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 INT4_GROUP_SIZE = 128
+MXFP4_GROUP = 32  # inputs per E8M0 scale of an MXFP4 weight (gpt-oss's experts: kvserve/ops/mxfp4.py)
+
+
+def mxfp4_experts_packed(hidden: int, intermediate_per_rank: int) -> bool:
+    """Whether a rank serves MXFP4 experts packed (4.25 bits a weight) rather than dequantized: both of its
+    GEMMs' inputs (the hidden size; its share of the intermediate size) must be whole groups of MXFP4_GROUP."""
+    return hidden % MXFP4_GROUP == 0 and intermediate_per_rank % MXFP4_GROUP == 0
 
 
 BLOCK_FP8_SCALE_SUFFIX = "_scale_inv"
@@ -42,8 +49,12 @@ def weights_format(quant_config) -> dict:
     """PlanInputs' quantization fields for the engine's resolved quantization (a QuantizationConfig, or None):
     quantization in the terms weight_bytes counts ("fp8": one byte a weight, as fp8, compressed-tensors and
     8-bit GPTQ store it; "awq" / "gptq": int4 with group scales; None: the serving dtype, also for weights
-    dequantized at load such as MXFP4), and whether the weights are quantized at load (then the checkpoint's
-    bytes are not what the GPU holds)."""
+    dequantized at load such as block-wise FP8), whether the weights are quantized at load (then the
+    checkpoint's bytes are not what the GPU holds), and the routed experts' own format where only they are
+    quantized (experts_quantization: "mxfp4", gpt-oss's experts, the rest of its layers in the serving dtype)."""
+    experts = getattr(quant_config, "experts_format", None)
+    if experts is not None:
+        return {"quantization": None, "quantized_at_load": False, "experts_quantization": experts}
     if quant_config is None or quant_config.bits_per_weight >= 16:
         return dict(quantization=None, quantized_at_load=False)
     name = quant_config.name if getattr(quant_config, "bits", 8) == 4 else "fp8"
@@ -200,6 +211,8 @@ def _linear_bytes(in_features: int, out_features: int, dtype_bytes: int, quantiz
         # int4 weights, and per group of INT4_GROUP_SIZE input rows an fp16 scale and an int4 zero per column
         groups = cdiv(in_features, INT4_GROUP_SIZE)
         return in_features * out_features // 2 + groups * out_features * 2 + groups * out_features // 2
+    if quantization == "mxfp4":  # two E2M1 values a byte and a one-byte scale per MXFP4_GROUP inputs
+        return in_features * out_features // 2 + in_features // MXFP4_GROUP * out_features
     return in_features * out_features * dtype_bytes
 
 
@@ -209,9 +222,11 @@ def _mlp_bytes(hidden: int, intermediate: int, dtype_bytes: int, quantization: s
             + _linear_bytes(intermediate, hidden, dtype_bytes, quantization))
 
 
-def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = None) -> int:
+def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = None,
+                 experts_quantization: str | None = None) -> int:
     """Parameters of one rank in memory. Quantization applies to the decoder's linear layers; embeddings,
-    lm_head and norms stay in the model dtype (as in vLLM)."""
+    lm_head and norms stay in the model dtype (as in vLLM). experts_quantization: the routed experts' own
+    format where it differs (gpt-oss's "mxfp4", weights_format)."""
     h, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
     attention = (
@@ -228,7 +243,10 @@ def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = 
     total = shape.num_layers * attention + (shape.num_layers - shape.moe_layers) * _mlp_bytes(
         h, shape.intermediate_size, dtype_bytes, quantization)
     if shape.moe_layers:
-        moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, quantization)
+        experts = experts_quantization or quantization
+        if experts == "mxfp4" and not mxfp4_experts_packed(h, shape.moe_intermediate_size):
+            experts = None  # served dequantized
+        moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, experts)
         moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
         if shape.mla is not None:  # DeepSeek: its router and correction bias are fp32
             moe += shape.num_experts * (h + 1) * 4 - h * shape.num_experts * dtype_bytes
@@ -385,17 +403,14 @@ def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[str, int]] | N
 
 def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: int, tie_word_embeddings: bool
                             ) -> int:
-    """Bytes the loaded model holds: float tensors are cast to the serving dtype, packed/quantized tensors
-    (int, fp8) keep their bytes. A tied model's stored lm_head is not loaded. MXFP4 experts (gpt-oss:
-    `_blocks` of two values a byte, `_scales`) and block-wise FP8 weights (each with a `_scale_inv`) are
-    dequantized at load to the serving dtype."""
+    """Bytes the loaded model holds on one GPU: float tensors are cast to the serving dtype, packed/quantized
+    tensors (int, fp8, and MXFP4 experts: gpt-oss's `_blocks` of two values a byte and their `_scales`) keep
+    their bytes. A tied model's stored lm_head is not loaded. Block-wise FP8 weights (each with a `_scale_inv`)
+    are dequantized at load to the serving dtype."""
     total = 0
     block_fp8 = block_fp8_weights(tensors)
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
-            continue
-        if dtype == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
-            total += 2 * numel * dtype_bytes if name.endswith("_blocks") else 0
             continue
         if name.endswith(BLOCK_FP8_SCALE_SUFFIX) and name.removesuffix(BLOCK_FP8_SCALE_SUFFIX) in block_fp8:
             continue
@@ -428,6 +443,7 @@ class PlanInputs:
     enable_expert_parallel: bool = False
     quantization: str | None = None  # how the linear weights are held (weights_format)
     quantized_at_load: bool = False  # by the engine (--quantization fp8 on a float checkpoint), not stored so
+    experts_quantization: str | None = None  # the routed experts' format where only they are quantized ("mxfp4")
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -518,7 +534,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
         if single and p.checkpoint_weights is not None:
             weights = p.checkpoint_weights
         else:
-            weights = weight_bytes(shape, dtype_bytes, p.quantization)
+            weights = weight_bytes(shape, dtype_bytes, p.quantization, p.experts_quantization)
         # Gemma 3's windowed layers turn with a second table of their own.
         rotary_tables = 2 if getattr(cfg, "rope_local_theta", None) is not None else 1
         weights += rotary_tables * rotary_cache_bytes(shape.mla[3] if shape.mla else shape.head_dim, p.max_model_len)

@@ -118,8 +118,9 @@ def draft_kv_bytes_per_block(config: EngineConfig) -> int:
 def estimated_weight_bytes(config: EngineConfig, stage: int = 0) -> int:
     """The target's weights on this stage, and the draft model's (stage 0 holds it)."""
     quant = getattr(config.args, "quantization", None)
+    experts = memory_plan.weights_format(config.quant_config).get("experts_quantization")
     target = memory_plan.weight_bytes(rank_shape(config, stage), memory_plan.DTYPE_BYTES[config.dtype],
-                                      None if quant in (None, "none") else quant)
+                                      None if quant in (None, "none") else quant, experts)
     return target + (_draft_bytes(config)[0] if stage == 0 else 0)
 
 
@@ -251,7 +252,9 @@ class StartupMemory:
                 continue
             try:
                 shard = memory_plan.weight_bytes(memory_plan.rank_shapes(cfg.model_config, new_tp)[0],
-                                                 memory_plan.DTYPE_BYTES[cfg.dtype])
+                                                 memory_plan.DTYPE_BYTES[cfg.dtype], None,
+                                                 memory_plan.weights_format(cfg.quant_config).get(
+                                                     "experts_quantization"))
             except ValueError:
                 continue
             if shard <= available:

@@ -381,3 +381,97 @@ def test_triton_fused_moe_gpt_oss_shapes_on_gpu_equal_torch_reference(tokens):
                           **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in extras.items()})
     out = fused_moe_triton(x, w13, w2, weights, ids, **extras)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def _mxfp4_case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    """_case with MXFP4 experts (random E2M1 bytes; E8M0 scales around 2^-6, a few groups at 2^-1 and 2^-12):
+    (x, w13 uint8 [E, 2I, H/2], w2 uint8 [E, H, I/2], weights, ids, w13 scales [E, 2I, H/32], w2 scales)."""
+    x, _, _, weights, ids = _case(tokens, experts, top_k, hidden, inter, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+
+    def packed(rows, inputs):
+        blocks = torch.randint(0, 256, (experts, rows, inputs // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 124, (experts, rows, inputs // 32), dtype=torch.uint8, generator=g)
+        scales.view(-1)[::17] = 126
+        scales.view(-1)[5::23] = 115
+        return blocks, scales
+
+    (b13, s13), (b2, s2) = packed(2 * inter, hidden), packed(hidden, inter)
+    return x, b13, b2, weights, ids, s13, s2
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent run")
+def test_mxfp4_reference_dequantizes_as_hf_transformers():
+    """kvserve's MXFP4 reading (packed bytes [N, K / 2]) against transformers' own (its [N, K / 32, 16] blocks)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvserve.ops.mxfp4 import dequantize_mxfp4
+
+    _, b13, _, _, _, s13, _ = _mxfp4_case(1, 4, 2, 64, 32, torch.float32)
+    hf = convert_moe_packed_tensors(b13.unflatten(-1, (-1, 16)), s13, dtype=torch.float32)  # [E, K, N]
+    torch.testing.assert_close(dequantize_mxfp4(b13, s13, torch.float32), hf.transpose(1, 2), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="quantize_activations needs fp8 experts"):
+        x, b13, b2, weights, ids, s13, s2 = _mxfp4_case(3, 8, 2, 64, 32, torch.float32)
+        fused_moe_torch(x, b13, b2, weights, ids, s13, s2, quantize_activations=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens,experts,top_k,hidden", [(1, 8, 2, 64), (13, 8, 2, 96), (70, 8, 2, 64),
+                                                          (300, 8, 2, 64), (9, 16, 4, 96)])
+def test_triton_fused_moe_mxfp4_equals_dequantized_reference(tokens, experts, top_k, hidden):
+    """Every tile configuration (one block per pair, then sorted); a hidden size of 96 leaves a partial K tile."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+    from kvserve.ops.mxfp4 import dequantize_mxfp4
+
+    x, b13, b2, weights, ids, s13, s2 = _mxfp4_case(tokens, experts, top_k, hidden, 64, torch.float32)
+    dequantized = dequantize_mxfp4(b13, s13, torch.float32), dequantize_mxfp4(b2, s2, torch.float32)
+    ref = fused_moe_torch(x, *dequantized, weights, ids)
+    torch.testing.assert_close(fused_moe_torch(x, b13, b2, weights, ids, s13, s2), ref, atol=0, rtol=0)
+    out = fused_moe_triton(x, b13, b2, weights, ids, s13, s2)
+    assert _rel_err(out, ref) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_triton_fused_moe_mxfp4_with_biases_clamped_swiglu_and_expert_parallel_equals_reference(tokens):
+    """gpt-oss's experts as its checkpoints hold them: MXFP4, biases, the clamped SwiGLU; two expert-parallel
+    ranks sum to the whole layer."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+
+    x, b13, b2, weights, ids, s13, s2 = _mxfp4_case(tokens, 8, 2, 64, 32, torch.float32)
+    extras = _gpt_oss_extras(8, 64, 32)
+    ref = fused_moe_torch(x, b13, b2, weights, ids, s13, s2, **extras)
+    assert _rel_err(fused_moe_triton(x, b13, b2, weights, ids, s13, s2, **extras), ref) < 1e-5
+    both = _two_expert_parallel_ranks(x, b13, b2, weights, ids, extras, scales=(s13, s2))
+    assert _rel_err(both, ref) < 1e-5
+
+
+@needs_interpreter
+def test_mxfp4_refuses_tiles_it_cannot_decode(monkeypatch):
+    from kvserve.ops import fused_moe
+
+    x, b13, b2, weights, ids, s13, s2 = _mxfp4_case(13, 8, 2, 64, 32, torch.float32)
+    monkeypatch.setattr(fused_moe, "_gemm_config", lambda *a, **k: _option_tiles(False, 16, True, False))
+    with pytest.raises(ValueError, match="MXFP4 experts take"):
+        fused_moe.fused_moe_triton(x, b13, b2, weights, ids, s13, s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 64, 2048])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(32, 4, 2880, 2880), (128, 4, 2880, 2880)])
+def test_triton_fused_moe_mxfp4_on_gpu_equals_dequantized_reference(tokens, experts, top_k, hidden, inter):
+    """gpt-oss-20b's and -120b's expert shapes, MXFP4 as their checkpoints store them, bf16 activations, with
+    biases and the clamped SwiGLU: the bf16 decode of each tile is exact, so the bound is bf16's."""
+    from kvserve.ops.fused_moe import fused_moe_triton
+    from kvserve.ops.mxfp4 import dequantize_mxfp4
+
+    x, b13, b2, weights, ids, s13, s2 = (t.cuda() for t in _mxfp4_case(tokens, experts, top_k, hidden, inter,
+                                                                         torch.bfloat16))
+    extras = {k: (v.cuda() * 0.1).to(torch.bfloat16) if isinstance(v, torch.Tensor) else v
+              for k, v in _gpt_oss_extras(experts, hidden, inter).items()}
+    ref = fused_moe_torch(x.float(), dequantize_mxfp4(b13, s13, torch.float32),
+                          dequantize_mxfp4(b2, s2, torch.float32), weights, ids,
+                          **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in extras.items()})
+    out = fused_moe_triton(x, b13, b2, weights, ids, s13, s2, **extras)
+    assert _rel_err(out, ref) < 2e-2

@@ -120,7 +120,7 @@ def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float -> (blocks uint8 [E, N, K / 32, 16], scales uint8 [E, N, K / 32]): per group of 32, the
     exponent that brings the largest |value| to at most 6 (E2M1's largest), each value rounded to the nearest
     E2M1 value; the layout the released checkpoints use, written independently of kvserve's reader."""
-    from kvserve.model.quantization.mxfp4 import FP4_VALUES
+    from kvserve.ops.mxfp4 import FP4_VALUES
 
     groups = w.float().reshape(*w.shape[:-1], -1, 32)
     amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-100)
@@ -133,16 +133,11 @@ def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent[..., 0] + 127).to(torch.uint8)
 
 
-def test_mxfp4_experts_match_hf_on_the_dequantized_weights(gpt_oss, tmp_path):
-    """A checkpoint as the released gpt-oss ones are stored (experts as _blocks/_scales, quantization_config
-    mxfp4): kvserve dequantizes at load; HF on a float checkpoint of the weights that transformers' own MXFP4
-    code dequantizes from the same blocks is the oracle."""
-    import transformers
-    from safetensors.torch import load_file, save_file
+def _mxfp4_state(state: dict) -> tuple[dict, dict]:
+    """(the state with its experts as MXFP4 _blocks/_scales, the state with those experts as transformers' own
+    MXFP4 code dequantizes them from the same blocks)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    path, _ = gpt_oss
-    state = load_file(f"{path}/model.safetensors")
     quantized, dequantized = dict(state), dict(state)
     for name in list(state):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -151,18 +146,120 @@ def test_mxfp4_experts_match_hf_on_the_dequantized_weights(gpt_oss, tmp_path):
             quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
             dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
             assert not torch.equal(dequantized[name], state[name])  # the round trip is lossy: a real test
-    mx_dir, float_dir = tmp_path / "mxfp4", tmp_path / "dequantized"
+    return quantized, dequantized
+
+
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(gpt_oss, tmp_path_factory):
+    """(a checkpoint as the released gpt-oss ones are stored: experts as _blocks/_scales, quantization_config
+    mxfp4; HF's greedy tokens on a float checkpoint of the weights transformers dequantizes from them)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path, _ = gpt_oss
+    quantized, dequantized = _mxfp4_state(load_file(f"{path}/model.safetensors"))
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    mx_dir, float_dir = root / "mxfp4", root / "dequantized"
     for d, weights in ((mx_dir, quantized), (float_dir, dequantized)):
         shutil.copytree(path, d)
         save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((mx_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
     (mx_dir / "config.json").write_text(json.dumps(config))
     hf = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
-    prompts = PROMPTS[:4]
-    tokens, _ = _generate(str(mx_dir), prompts)
-    assert tokens == hf_greedy(hf, prompts, MAX_TOKENS)
+    return str(mx_dir), hf_greedy(hf, PROMPTS[:4], MAX_TOKENS)
+
+
+def test_mxfp4_experts_match_hf_on_the_dequantized_weights(mxfp4_checkpoint):
+    """On the CPU path the experts are loaded packed and dequantized once, after loading."""
+    path, expected_tokens = mxfp4_checkpoint
+    tokens, _ = _generate(path, PROMPTS[:4])
+    assert tokens == expected_tokens
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(tensor_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "ep2"])
+def test_mxfp4_tensor_and_expert_parallel_match_hf(mxfp4_checkpoint, parallel):
+    """TP=2 leaves each rank 16 of the 32 intermediate features, half a group: those ranks dequantize at load;
+    expert parallelism keeps whole experts, packed."""
+    path, expected_tokens = mxfp4_checkpoint
+    tokens, _ = _generate(path, PROMPTS[:3], max_num_batched_tokens=32, max_num_seqs=4, **parallel)
+    assert tokens == expected_tokens[:3]
+
+
+MXFP4_TRITON_SCRIPT = r"""
+import json, sys
+from kvserve import LLM, SamplingParams
+path, prompts, max_tokens = json.loads(sys.stdin.read())
+llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=24, max_num_seqs=4)
+experts = llm.llm_engine.executor.worker.runner.model.layers[0].mlp.experts
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "packed": experts.mxfp4_packed,
+                  "dtype": str(experts.w13_weight.dtype)}))
+"""
+
+
+def test_mxfp4_experts_packed_through_the_triton_kernel_match_hf(mxfp4_checkpoint):
+    """The GPU code path under Triton's interpreter (a subprocess, TRITON_INTERPRET=1): the experts stay MXFP4
+    bytes and the fused-MoE kernel decodes them; the same tokens as HF, with chunked prefill."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.triton_interpreter import interpreter_unusable
+
+    pytest.importorskip("triton")
+    if interpreter_unusable():
+        pytest.skip(interpreter_unusable())
+    path, expected_tokens = mxfp4_checkpoint
+    proc = subprocess.run([sys.executable, "-c", MXFP4_TRITON_SCRIPT], input=json.dumps([path, PROMPTS[:2], MAX_TOKENS]),
+                          capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          cwd=Path(__file__).resolve().parents[2], timeout=1500, check=False)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["packed"] and result["dtype"] == "torch.uint8"
+    assert result["tokens"] == expected_tokens[:2]
+
+
+def test_mxfp4_packed_experts_load_each_ranks_share(monkeypatch, tmp_path):
+    """Rank 1 of TP=2 with 64 intermediate features (two whole groups a rank): its packed gate, up and down
+    bytes and scales dequantize to its slice of the full experts."""
+    import transformers
+
+    from kvserve.distributed import parallel_state
+    from kvserve.model.quantization.mxfp4 import Mxfp4Config
+    from kvserve.model.registry import model_class
+    from kvserve.ops.mxfp4 import dequantize_mxfp4
+
+    torch.manual_seed(3)
+    hf_config = _hf_config()
+    hf_config.intermediate_size, hf_config.num_hidden_layers = 64, 1
+    hf_config.layer_types = hf_config.layer_types[:1]
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_QUANTIZATION_CONFIG}))
+    quantized, dequantized = _mxfp4_state(hf.state_dict())
+    cfg = ModelConfig.from_path(tmp_path)
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(rank=1, world_size=2, tp_size=2))
+    model = model_class(cfg.architecture)(cfg, None, 64, quant_config=Mxfp4Config())
+    model.load_weights(quantized.items())
+    experts = model.layers[0].mlp.experts
+    assert experts.mxfp4_packed and experts.w13_weight.dtype == torch.uint8
+    full_gate_up = dequantized["model.layers.0.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H] interleaved
+    full_down = dequantized["model.layers.0.mlp.experts.down_proj"].transpose(1, 2)  # [E, H, I]
+    w13 = dequantize_mxfp4(experts.w13_weight.data, experts.w13_weight_scale.data, torch.float32)
+    w2 = dequantize_mxfp4(experts.w2_weight.data, experts.w2_weight_scale.data, torch.float32)
+    mine = slice(32, 64)
+    torch.testing.assert_close(w13[:, :32], full_gate_up[:, 0::2][:, mine], atol=0, rtol=0)
+    torch.testing.assert_close(w13[:, 32:], full_gate_up[:, 1::2][:, mine], atol=0, rtol=0)
+    torch.testing.assert_close(w2, full_down[:, :, mine], atol=0, rtol=0)
 
 
 def test_mxfp4_checkpoint_missing_scales_is_refused(gpt_oss, tmp_path):
@@ -195,10 +292,46 @@ def test_memory_plan_counts_each_ranks_weights(gpt_oss, monkeypatch, tp, expert_
     assert memory_plan.weight_bytes(memory_plan.rank_shapes(cfg, tp, 1, expert_parallel)[0], 4) == built
 
 
-def test_plan_counts_mxfp4_experts_dequantized():
+def test_plan_counts_mxfp4_experts_packed():
     from kvserve.sizing.memory_plan import checkpoint_weight_bytes
 
     tensors = {"model.layers.0.mlp.experts.gate_up_proj_blocks": ("U8", 8 * 64 * 2 * 16),  # [E, 2I, H/32, 16]
                "model.layers.0.mlp.experts.gate_up_proj_scales": ("U8", 8 * 64 * 2),
                "model.layers.0.mlp.experts.gate_up_proj_bias": ("BF16", 8 * 64)}
-    assert checkpoint_weight_bytes(tensors, 2, False) == (8 * 64 * 64 + 8 * 64) * 2
+    assert checkpoint_weight_bytes(tensors, 2, False) == 8 * 64 * 2 * 16 + 8 * 64 * 2 + 8 * 64 * 2
+
+
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_memory_plan_counts_each_ranks_mxfp4_experts(mxfp4_checkpoint, monkeypatch, tp, expert_parallel):
+    """With MXFP4 experts the plan's per-rank weight bytes equal what the model builds on that rank: packed
+    experts (TP=1, expert parallel), or dequantized ones where a rank's share cuts a group (TP=2 here)."""
+    from kvserve.distributed import parallel_state
+    from kvserve.model.quantization.mxfp4 import Mxfp4Config
+    from kvserve.model.registry import model_class
+    from kvserve.sizing import memory_plan
+
+    cfg = ModelConfig.from_path(mxfp4_checkpoint[0])
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(
+        rank=tp - 1, world_size=tp, tp_size=tp, expert_parallel=expert_parallel))
+    model = model_class(cfg.architecture)(cfg, None, 64, quant_config=Mxfp4Config())
+    experts = model.layers[0].mlp.experts
+    assert experts.mxfp4_packed == (tp == 1 or expert_parallel)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    fmt = memory_plan.weights_format(Mxfp4Config())
+    assert fmt == {"quantization": None, "quantized_at_load": False, "experts_quantization": "mxfp4"}
+    shape = memory_plan.rank_shapes(cfg, tp, 1, expert_parallel)[0]
+    assert memory_plan.weight_bytes(shape, 4, None, fmt["experts_quantization"]) == built
+
+
+def test_mxfp4_dummy_weights_are_small_and_finite(mxfp4_checkpoint):
+    """load_format="dummy" on an MXFP4 config fills the packed experts with random E2M1 bytes under small E8M0
+    scales (weights up to about 1e-2, as the float dummy's), not random scales that overflow."""
+    llm = LLM(mxfp4_checkpoint[0], load_format="dummy", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    try:
+        experts = llm.llm_engine.executor.worker.runner.model.layers[0].mlp.experts
+        w13 = experts.w13_weight.float()  # the CPU path: dequantized after loading
+        assert torch.isfinite(w13).all() and 0 < w13.abs().max() <= 6 * 2.0**-9
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
+    finally:
+        llm.llm_engine.shutdown()
