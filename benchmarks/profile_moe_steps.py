@@ -38,7 +38,7 @@ WARM_STEPS, PROFILED_STEPS = 3, 20
 MOE_KINDS = (("moe gemm", r"fused_moe_kernel|moe_grouped_gemm"),
              ("moe sort", r"moe_align|align_one_program|count_pairs|place_pairs|sort"),
              ("router", r"topk|router|gating|softmax"),
-             ("moe sum", r"moe_sum"))
+             ("moe sum", r"moe_sum|sum_pairs"))
 
 
 def kind_of(name: str) -> str:

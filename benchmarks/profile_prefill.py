@@ -63,10 +63,11 @@ def profile_step(llm, ids, label):
     return wall, gpu, launches
 
 
-# Kernel names by kind: cuBLAS / CUTLASS GEMMs, kvserve's Triton attention (and vLLM's FlashAttention), norms
-# (also torch.compile's fused ones, named after their ops), and everything else.
-KINDS = (("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|scaled_mm"),
-         ("attention", r"attention|_attn|_decode_kernel|combine_splits|flash_fwd|FlashAttn|fmha"),
+# Kernel names by kind: kvserve's Triton attention (and vLLM's FlashAttention, itself a CUTLASS kernel: so
+# attention is matched first), cuBLAS / CUTLASS GEMMs, norms (also torch.compile's fused ones, named after their
+# ops), and everything else.
+KINDS = (("attention", r"attention|_attn|_decode_kernel|combine_splits|flash_fwd|FlashAttn|fmha"),
+         ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|scaled_mm"),
          ("norm", r"rms|norm|rsqrt"), ("activation", r"silu|gelu|act_and_mul"), ("rotary", r"rotary|rope"),
          ("kv write", r"reshape_and_cache|cache_write"))
 

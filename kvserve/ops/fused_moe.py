@@ -348,6 +348,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     from kvserve.ops import fp8_quant
     from kvserve.ops.fused_kernels import silu_and_mul, silu_and_mul_fp8
     from kvserve.ops.moe_align import align_block_size_triton
+    from kvserve.ops.moe_sum import sum_pairs
 
     tokens, top_k = local_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1] * (2 if is_mxfp4(w2) else 1)
@@ -378,4 +379,4 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _grouped_gemm(hidden, w2, w2_scale, w2_bias, down, weights, sorted_pairs, block_expert, num_rows, 1,
                   _down_config(cfg), hidden_scale)
-    return down.view(tokens, top_k, -1).sum(dim=1)
+    return sum_pairs(down, top_k)

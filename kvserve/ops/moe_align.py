@@ -10,12 +10,12 @@ Contract (align_block_size is the torch reference; the Triton versions give the 
             num_rows [1] int32: rows in use.
 Sizes depend on P and E only, never on the routing (no host sync: graph-safe). The Triton versions may order
 the pairs inside an expert's run differently (every row is computed and written on its own, so no result
-changes); the parallel one leaves sorted_pairs from num_rows on unwritten (no GEMM program reads past
-num_rows).
+changes); they leave sorted_pairs from num_rows on unwritten (no GEMM program reads past num_rows).
 
-Two Triton paths, chosen by P: one program (one launch), and for large steps (prefill chunks, large decode
-batches, where one program's serial loops over the pairs dominate) a zeroing, a counting kernel and a placing
-kernel, each over blocks of pairs (above PARALLEL_ABOVE_PAIRS pairs).
+Two Triton paths, chosen by P: one program holding every pair in one tile (one launch: decode steps), and for
+large steps (prefill chunks) a zeroing, a counting kernel and a placing kernel, each over blocks of pairs
+(above PARALLEL_ABOVE_PAIRS pairs). Both count through histograms, which the compiler keeps in the CTA's shared
+memory, so global atomics are only the counts' sums and one per pair for its row.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Steps of more than this many pairs are sorted over blocks of pairs (count, then place); None: every step by
-# one program. On the H200 the two tie on a whole Qwen3-MoE layer at 2,048 pairs and the parallel sort wins at
-# 8,192 (benchmarks/sweep_moe_tiles.py; BENCHMARKS.md, 2026-12-04).
-PARALLEL_ABOVE_PAIRS: int | None = 2048
+# Steps of more than this many pairs are sorted over blocks of pairs (count, then place), as are all steps of
+# more than ONE_PROGRAM_MAX_PAIRS (one program holds every pair in one tile).
+PARALLEL_ABOVE_PAIRS = 2048
+ONE_PROGRAM_MAX_PAIRS = 4096
 CHUNK = 1024
 
 
@@ -85,53 +85,42 @@ def _write_layout(program, programs, sorted_ptr, block_expert_ptr, num_rows_ptr,
         tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
 
 
-# Sizes that change with every step's token count are not specialised on (no recompiles mid-run).
-@triton.jit(do_not_specialize=["P", "capacity", "num_blocks"])
-def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, capacity, num_blocks,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=["P", "num_blocks"])
+def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, P, E, num_blocks,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCKS_CHUNK: tl.constexpr):
-    """Count pairs per expert (atomics), each expert's padded start (a cumsum), then every pair takes the next
-    row of its expert (atomics again); every row of sorted_pairs is written (P where it is padding)."""
+    """Every pair in one tile (P <= BLOCK_P): the counts from a histogram (the CTA's shared memory), each
+    expert's padded start into cursor, then every pair takes the next row of its expert (one round of global
+    atomics); each pair also names its block's expert (every block of a run holds at least one pair)."""
+    offs = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    valid = (offs < P) & (ids >= 0)
     e = tl.arange(0, BLOCK_E)
-    tl.store(cursor_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e < E)
-    for start in range(0, capacity, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        tl.atomic_add(cursor_ptr + ids, 1, mask=(offs < P) & (ids >= 0))
-    tl.debug_barrier()
-    counts = tl.atomic_add(cursor_ptr + e, 0, mask=e < E)  # read where the atomics landed
-    counts = tl.where(e < E, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.debug_barrier()
-    tl.store(cursor_ptr + e, ends - padded, mask=e < E)
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        valid = (offs < P) & (ids >= 0)
-        row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
-        tl.store(sorted_ptr + row, offs, mask=valid)
-    total = tl.sum(padded, axis=0)
-    for start in range(0, num_blocks, BLOCKS_CHUNK):
-        b = start + tl.arange(0, BLOCKS_CHUNK)
-        first_row = b * BLOCK_M
-        # Experts with padded zero-width runs end where the next one starts: count the ends at or before.
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
+    counts = tl.where(e < E, tl.histogram(tl.where(valid, ids, 0), BLOCK_E, mask=valid), 0)
+    starts, ends = _expert_runs(counts, E, BLOCK_M, BLOCK_E)
+    tl.store(cursor_ptr + e, starts, mask=e < E)
+    tl.debug_barrier()  # the starts are in place before any pair takes a row
+    row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+    tl.store(sorted_ptr + row, offs, mask=valid)
+    tl.store(block_expert_ptr + row // BLOCK_M, ids, mask=valid)
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + pad, tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + P,
+             mask=(e[:, None] < E) & (pad < ends[:, None]))
+    total = tl.max(ends, axis=0)
     tl.store(num_rows_ptr, total)
+    for start in range(total // BLOCK_M, num_blocks, BLOCKS_CHUNK):
+        b = start + tl.arange(0, BLOCKS_CHUNK)
+        tl.store(block_expert_ptr + b, tl.full([BLOCKS_CHUNK], -1, tl.int32), mask=b < num_blocks)
 
 
 @triton.jit(do_not_specialize=["P"])
-def _count_pairs(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr):
-    """Pairs per expert, one block of pairs per program (atomics)."""
+def _count_pairs(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs per expert, one block of pairs per program: its histogram, then one global atomic per expert."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-    tl.atomic_add(counts_ptr + ids, 1, mask=(offs < P) & (ids >= 0))
+    e = tl.arange(0, BLOCK_E)
+    valid = (offs < P) & (ids >= 0)
+    tl.atomic_add(counts_ptr + e, tl.histogram(tl.where(valid, ids, 0), BLOCK_E, mask=valid), mask=e < E)
 
 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
@@ -168,16 +157,17 @@ def align_block_size_triton(local_ids: torch.Tensor, num_experts: int, block_m: 
     num_rows = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e = triton.next_power_of_2(num_experts)
     blocks_chunk = max(16, 4096 // block_e)
-    if PARALLEL_ABOVE_PAIRS is None or pairs <= PARALLEL_ABOVE_PAIRS:
+    if pairs <= min(PARALLEL_ABOVE_PAIRS, ONE_PROGRAM_MAX_PAIRS):
         cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-        _align_one_program[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts, capacity,
-                                 num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=CHUNK,
-                                 BLOCKS_CHUNK=blocks_chunk, num_warps=8)
+        block_p = max(16, triton.next_power_of_2(pairs))  # a few sizes, each compiled once (CUDA graph capture)
+        _align_one_program[(1,)](flat, sorted_pairs, block_expert, num_rows, cursor, pairs, num_experts, num_blocks,
+                                 BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, BLOCKS_CHUNK=blocks_chunk,
+                                 num_warps=8 if block_p >= 1024 else 4)
         return sorted_pairs, block_expert, num_rows
     programs = triton.cdiv(pairs, CHUNK)
     counters = torch.zeros(2, num_experts, dtype=torch.int32, device=flat.device)  # counts, cursor
     starts = torch.empty(programs, block_e, dtype=torch.int32, device=flat.device)
-    _count_pairs[(programs,)](flat, counters[0], pairs, CHUNK=CHUNK, num_warps=4)
+    _count_pairs[(programs,)](flat, counters[0], pairs, num_experts, CHUNK=CHUNK, BLOCK_E=block_e, num_warps=4)
     _place_pairs[(programs,)](flat, counters[0], counters[1], starts, sorted_pairs, block_expert, num_rows, pairs,
                               num_experts, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=CHUNK,
                               BLOCKS_CHUNK=blocks_chunk, num_warps=4)

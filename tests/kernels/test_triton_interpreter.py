@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 KERNEL_TEST_FILES = ["test_triton_attention.py", "test_triton_attention_window.py", "test_triton_attention_sinks.py",
                      "test_quant_kernels.py", "test_fused_kernels.py", "test_moe_routing.py",
-                    "test_moe_align.py"]
+                    "test_moe_align.py", "test_moe_sum.py"]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
