@@ -26,26 +26,9 @@ CALLS_PER_GRAPH = 50
 
 
 def graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return round(sorted(times)[len(times) // 2], 2)
+    from benchmarks.gpu_moe import graph_time_ms
+
+    return round(graph_time_ms(fn, calls=CALLS_PER_GRAPH) * 1e3, 2)
 
 
 def load_module(path: str, name: str):

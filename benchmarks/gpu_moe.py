@@ -77,8 +77,9 @@ def release():
     torch.cuda.empty_cache()
 
 
-def graph_time_ms(fn, iters: int = 20) -> float:
-    """Median time of one call, replayed from a CUDA graph (as the engine's decode steps run it)."""
+def graph_time_ms(fn, iters: int = 20, calls: int = 1) -> float:
+    """Median time of one call, replayed from a CUDA graph (as the engine's decode steps run it); calls: how
+    many calls one graph holds (for calls of a few microseconds, so the replay's own cost is spread)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -87,7 +88,8 @@ def graph_time_ms(fn, iters: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -95,7 +97,7 @@ def graph_time_ms(fn, iters: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     del graph
     return sorted(times)[len(times) // 2]
 
