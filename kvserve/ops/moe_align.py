@@ -100,8 +100,7 @@ def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, curs
     starts, ends = _expert_runs(counts, E, BLOCK_M, BLOCK_E)
     tl.store(cursor_ptr + e, starts, mask=e < E)
     tl.debug_barrier()  # the starts are in place before any pair takes a row
-    # Relaxed: each row only has to be unique (the order inside a run is free); the barrier orders the starts.
-    row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
+    row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
     tl.store(sorted_ptr + row, offs, mask=valid)
     tl.store(block_expert_ptr + row // BLOCK_M, ids, mask=valid)
     pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
@@ -121,8 +120,7 @@ def _count_pairs(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.con
     ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
     e = tl.arange(0, BLOCK_E)
     valid = (offs < P) & (ids >= 0)
-    tl.atomic_add(counts_ptr + e, tl.histogram(tl.where(valid, ids, 0), BLOCK_E, mask=valid), mask=e < E,
-                  sem="relaxed")
+    tl.atomic_add(counts_ptr + e, tl.histogram(tl.where(valid, ids, 0), BLOCK_E, mask=valid), mask=e < E)
 
 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
