@@ -66,17 +66,25 @@ def _expert_runs(counts, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _write_padding(sorted_ptr, num_rows_ptr, counts, starts, ends, P, E, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """Each expert's padding rows (P: no pair) after its pairs, and num_rows, the end of the last run."""
+    e = tl.arange(0, BLOCK_E)
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + pad, tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + P,
+             mask=(e[:, None] < E) & (pad < ends[:, None]))
+    tl.store(num_rows_ptr, tl.max(ends, axis=0))
+
+
+@triton.jit
 def _write_layout(program, programs, sorted_ptr, block_expert_ptr, num_rows_ptr, counts, starts, ends, P, E,
                   num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
-    """Everything but the pairs' own rows: each expert's padding rows and num_rows (program 0), and the
-    expert of each block (blocks split among the programs)."""
+    """Everything but the pairs' own rows: the padding and num_rows (program 0), and the expert of each block
+    (blocks split among the programs)."""
     e = tl.arange(0, BLOCK_E)
     total = tl.max(ends, axis=0)
     if program == 0:
-        pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ptr + pad, tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + P,
-                 mask=(e[:, None] < E) & (pad < ends[:, None]))
-        tl.store(num_rows_ptr, total)
+        _write_padding(sorted_ptr, num_rows_ptr, counts, starts, ends, P, E, BLOCK_M, BLOCK_E)
     for start in range(program * BLOCKS_CHUNK, num_blocks, programs * BLOCKS_CHUNK):
         b = start + tl.arange(0, BLOCKS_CHUNK)
         first_row = b * BLOCK_M
@@ -103,12 +111,8 @@ def _align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, curs
     row = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
     tl.store(sorted_ptr + row, offs, mask=valid)
     tl.store(block_expert_ptr + row // BLOCK_M, ids, mask=valid)
-    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ptr + pad, tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + P,
-             mask=(e[:, None] < E) & (pad < ends[:, None]))
-    total = tl.max(ends, axis=0)
-    tl.store(num_rows_ptr, total)
-    for start in range(total // BLOCK_M, num_blocks, BLOCKS_CHUNK):
+    _write_padding(sorted_ptr, num_rows_ptr, counts, starts, ends, P, E, BLOCK_M, BLOCK_E)
+    for start in range(tl.max(ends, axis=0) // BLOCK_M, num_blocks, BLOCKS_CHUNK):
         b = start + tl.arange(0, BLOCKS_CHUNK)
         tl.store(block_expert_ptr + b, tl.full([BLOCKS_CHUNK], -1, tl.int32), mask=b < num_blocks)
 
