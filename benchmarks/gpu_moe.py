@@ -241,9 +241,12 @@ def swept_paths(path: str) -> dict:
 
 def parallel_sort_paths(above_pairs: int) -> dict:
     """--parallel-sort-above: steps of more pairs than this sorted by the parallel pair sort
-    (kvserve/ops/moe_align.py's PARALLEL_ABOVE_PAIRS; a negative number: none, every step by one program), for a
-    second run of each configuration."""
-    return {"kvserve.ops.moe_align.PARALLEL_ABOVE_PAIRS": above_pairs if above_pairs >= 0 else None}
+    (kvserve/ops/moe_align.py's PARALLEL_ABOVE_PAIRS; a negative number: only the steps one program cannot hold,
+    more than ONE_PROGRAM_MAX_PAIRS), for a second run of each configuration."""
+    from kvserve.ops import moe_align
+
+    return {"kvserve.ops.moe_align.PARALLEL_ABOVE_PAIRS": above_pairs if above_pairs >= 0
+            else moe_align.ONE_PROGRAM_MAX_PAIRS}
 
 
 def variant_paths(args) -> list[tuple[str, dict]]:
@@ -332,7 +335,8 @@ def main():
     ap.add_argument("--tiles-from", help="also run each engine configuration on the tile table of this "
                     "benchmarks/sweep_moe_tiles.py JSON (swept_paths)")
     ap.add_argument("--parallel-sort-above", type=int, help="also run each engine configuration with steps of "
-                    "more pairs than this through the parallel pair sort (parallel_sort_paths; -1: no step)")
+                    "more pairs than this through the parallel pair sort (parallel_sort_paths; -1: only those one program "
+                    "cannot hold)")
     ap.add_argument("--zero-router", action="store_true", help="also run each engine configuration with every "
                     "router zeroed (zero_routers): every token to the same top_k experts, as vLLM's fp8 dummy model "
                     "routes")
