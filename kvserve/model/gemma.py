@@ -34,8 +34,8 @@ class GemmaDecoderLayer(DecoderLayer):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, meta))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.then_add_norm(
+            self.pre_feedforward_layernorm, self.self_attn(positions, hidden, kv_cache, meta), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 

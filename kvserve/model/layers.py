@@ -358,6 +358,16 @@ class GemmaRMSNorm(RMSNorm):
             self._offset_key = key
         return self._offset
 
+    def then_add_norm(self, following: "GemmaRMSNorm", x: torch.Tensor, residual: torch.Tensor):
+        """following(self(x), residual): a sublayer's output norm, the residual add and the next sublayer's
+        input norm, as (normed input, new residual); one kernel on the fused path, the same bits as two."""
+        if use_fused_kernels(x):
+            from kvserve.ops.fused_kernels import norm_add_norm
+
+            return norm_add_norm(x, residual, self.kernel_weight(), self.eps, following.kernel_weight(),
+                                 following.eps)
+        return following(self(x), residual)
+
 
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole q or k projection (OLMo 2), whose features are split over the TP ranks by heads:

@@ -1,6 +1,6 @@
-"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm, rotary (after a per-head q/k
-RMSNorm where the model has one), SiLU*mul, and the RMSNorm / SiLU*mul variants that quantize their output per
-token for an FP8 GEMM (W8A8) in the same pass.
+"""Fused elementwise Triton kernels for the GPU path: residual-add + RMSNorm (and Gemma's norm, add, norm),
+rotary (after a per-head q/k RMSNorm where the model has one), SiLU*mul, and the RMSNorm / SiLU*mul variants
+that quantize their output per token for an FP8 GEMM (W8A8) in the same pass.
 
 Unfused, these are ~40 tiny kernels per layer; at batch 1 their launch gaps cost more than the
 weight reads. Each kernel rounds its intermediates to the activation dtype where HF's eager code
@@ -27,6 +27,12 @@ def _rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, n_cols, eps, stride_x
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # HF adds in the activation dtype
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    return _weighted_norm(x, w_ptr, cols, mask, n_cols, eps)
+
+
+@triton.jit
+def _weighted_norm(x, w_ptr, cols, mask, n_cols, eps):
+    """w * norm(x) of one loaded row (padding columns 0), normed x rounded to its dtype first, as HF's Llama."""
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
@@ -77,6 +83,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         )
     if residual is None:
         return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _norm_add_norm_kernel(x_ptr, res_ptr, w_first_ptr, w_second_ptr, out_ptr, res_out_ptr, n_cols, eps_first,
+                          eps_second, stride_x, stride_r, stride_o, stride_ro, BLOCK: tl.constexpr):
+    """One row of rms_norm(rms_norm(x, w_first), w_second, residual): the first norm's output never leaves
+    registers."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    first = _weighted_norm(x, w_first_ptr, cols, mask, n_cols, eps_first)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    summed = (first.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(res_out_ptr + row * stride_ro + cols, summed, mask=mask)
+    out = _weighted_norm(summed, w_second_ptr, cols, mask, n_cols, eps_second)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, weight_first: torch.Tensor, eps_first: float,
+                  weight_second: torch.Tensor, eps_second: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(rms_norm(x, weight_first), weight_second, residual) in one pass, bit for bit: returns
+    (norm_second(residual + norm_first(x)), residual + norm_first(x)). Gemma's post-attention norm, the
+    residual add and its pre-feed-forward norm, which unfused read and write the hidden states six times."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    r2 = residual.reshape(-1, shape[-1])
+    n_rows, n_cols = x2.shape
+    out, res_out = torch.empty_like(x2), torch.empty_like(x2)
+    if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        _norm_add_norm_kernel[(n_rows,)](
+            x2, r2, weight_first, weight_second, out, res_out, n_cols, eps_first, eps_second,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            BLOCK=block, num_warps=row_warps(block),  # rms_norm's warps: the same sums, bit for bit
+        )
     return out.view(shape), res_out.view(shape)
 
 

@@ -268,3 +268,35 @@ def test_fp8_layers_take_their_input_quantized_by_the_producer(rows, monkeypatch
     plain_out, plain_res = layer_tail()
     assert fused_calls == [] and len(quant_calls) == (2 if rows > 16 else 0)
     assert torch.equal(fused_out, plain_out) and torch.equal(fused_res, plain_res)
+
+
+@pytest.mark.parametrize("dtype,n_rows,n_cols", gpu_tier_cases(
+    [(dtype, rows, cols) for dtype, (rows, cols) in itertools.product(DTYPES, [(3, 256), (5, 3840), (2, 1000)])],
+    lambda dtype, rows, cols: dtype != torch.float32, _case_id))
+def test_norm_add_norm_is_two_rms_norms(dtype, n_rows, n_cols):
+    """Gemma's post-sublayer norm, residual add and next norm in one kernel: the bits of the two rms_norm calls
+    it replaces, and (through GemmaRMSNorm.then_add_norm) of the two layers' torch path within a rounding."""
+    from kvserve.model.layers import GemmaRMSNorm
+    from kvserve.ops.fused_kernels import norm_add_norm, rms_norm
+
+    x, r = _rows(n_rows, n_cols, dtype, 11), _rows(n_rows, n_cols, dtype, 12)
+    first, second = GemmaRMSNorm(n_cols, 1e-6).to(DEVICE), GemmaRMSNorm(n_cols, 1e-5).to(DEVICE)
+    with torch.no_grad():
+        first.weight.copy_(0.1 * _rows(1, n_cols, torch.float32, 13)[0])
+        second.weight.copy_(0.1 * _rows(1, n_cols, torch.float32, 14)[0])
+    w1, w2 = first.kernel_weight(), second.kernel_weight()
+    out, res = norm_add_norm(x, r, w1, 1e-6, w2, 1e-5)
+    want_out, want_res = rms_norm(rms_norm(x, w1, 1e-6), w2, 1e-5, r)
+    assert out.dtype == res.dtype == dtype
+    torch.testing.assert_close(res, want_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+
+    got = first.then_add_norm(second, x, r)
+    assert torch.equal(got[0], out) and torch.equal(got[1], res)
+    # The torch path (what the CPU runs), as HF computes it: fp32 norms, each rounded once.
+    def hf_norm(v, norm):
+        vf = v.float()
+        return (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.float())).to(dtype)
+    hf_res = hf_norm(x, first) + r
+    torch.testing.assert_close(res, hf_res, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    torch.testing.assert_close(out, hf_norm(hf_res, second), atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
