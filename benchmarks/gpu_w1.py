@@ -185,7 +185,12 @@ class StepTimer:
 
         sched.schedule, runner.execute_async, sched.update = schedule, execute_async, update
         PendingOutput.result = result
-        self.restore = lambda: setattr(PendingOutput, "result", orig_result)
+
+        def restore():
+            sched.schedule, runner.execute_async, sched.update = orig_schedule, orig_execute, orig_update
+            PendingOutput.result = orig_result
+
+        self.restore = restore
 
 
 def triton_variants() -> int:
