@@ -1,7 +1,8 @@
 """Old against new kernels on the GPU, each checked against the other before it is timed; a table last.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only int4,fp8,fp8-fusion,prefill]
-        [--sweep] [--out DIR]
+        [--sweep] [--out DIR] [--prefill-shapes gemma,llama] [--prefill-configs JSON] [--prefill-lazy-both]
+        [--vllm-fa]
 
 * fp8-fusion: the W8A8 inputs of Llama-3.1-8B's layer (hidden 4096 after RMSNorm, intermediate 14336 after
   SiLU*mul) at M = 32 .. 16,384 rows: the 16-bit kernel + fp8_quant.quantize_per_token (before) against
@@ -33,6 +34,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 
 import torch
 
@@ -122,10 +124,28 @@ PREFILL_SHAPES = [
 ]
 
 
-def prefill(rows_out: list) -> None:
+def _vllm_flash_attention(q, cache, meta, scale, window):
+    """vLLM 0.26.0's FlashAttention 3 on the same paged cache (the bundle unpacked in /tmp/vllmsite): the
+    baseline row of each prefill case (`--vllm-fa`)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return lambda: flash_attn_varlen_func(
+        q, cache[0], cache[1], max_seqlen_q=meta.max_query_len, cu_seqlens_q=meta.query_start_loc,
+        max_seqlen_k=meta.max_seq_len, seqused_k=meta.seq_lens, softmax_scale=scale, causal=True,
+        window_size=[window - 1, 0] if window else None, block_table=meta.block_tables, fa_version=3)
+
+
+def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | None = None,
+            lazy_both: bool = False, vllm_fa: bool = False) -> None:
+    """shapes: labels' prefixes to run (all by default); configs: the launch configurations (PREFILL_CONFIGS);
+    lazy_both: each configuration also with the other LAZY_RESCALE; vllm_fa: vLLM's FlashAttention 3 as well."""
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
+    lazy_values = [TritonAttentionBackend.LAZY_RESCALE] + ([not TritonAttentionBackend.LAZY_RESCALE] if lazy_both
+                                                           else [])
     for label, heads, window, cases in PREFILL_SHAPES:
+        if shapes and not any(label.startswith(prefix) for prefix in shapes):
+            continue
         h, _, d = heads
         for ctx, q_len in cases:
             current = TritonAttentionBackend().launch_config(q_len, d)
@@ -136,23 +156,31 @@ def prefill(rows_out: list) -> None:
             flops = 4 * h * d * keys_seen
             reference = None
             case = f"{label}: ctx {ctx} + {q_len}"
-            for config in PREFILL_CONFIGS:
-                backend = TritonAttentionBackend()
-                backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (
-                    config or current)
-                run = lambda: backend.forward(q, k, v, cache, meta, scale, sliding_window=window)  # noqa: E731
+            runs = []
+            for config in configs or PREFILL_CONFIGS:
+                for lazy in lazy_values:
+                    backend = TritonAttentionBackend()
+                    backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (
+                        tuple(config) if config else current)
+                    backend.LAZY_RESCALE = lazy
+                    name = (f"{tuple(config) if config else current}{' (current)' if config is None else ''}"
+                            + (f" lazy={lazy}" if lazy_both else ""))
+                    runs.append((name, lambda b=backend: b.forward(q, k, v, cache, meta, scale,
+                                                                   sliding_window=window)))
+            if vllm_fa:  # after the first run has written the new keys into the cache
+                runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
+            for name, run in runs:
                 try:
                     out = run().float()
                 except Exception as exc:  # a configuration that does not fit (shared memory): reported, not fatal
-                    rows_out.append({"section": "prefill", "case": case, "config": str(config),
+                    rows_out.append({"section": "prefill", "case": case, "config": name,
                                      "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
                     continue
                 if reference is None:
                     reference = out
                 err = (out - reference).abs().max().item()
                 us = bench(run)
-                rows_out.append({"section": "prefill", "case": case,
-                                 "config": f"{config or current}{' (current)' if config is None else ''}",
+                rows_out.append({"section": "prefill", "case": case, "config": name,
                                  "max_abs_diff_vs_current": round(err, 4), "us": round(us, 1),
                                  "tflops": round(flops / us / 1e6, 1)})
                 print(json.dumps(rows_out[-1]), flush=True)
@@ -386,11 +414,23 @@ def main():
     ap.add_argument("--only", default=",".join(SECTIONS))
     ap.add_argument("--sweep", action="store_true", help="int4, fp8: also time candidate launch configurations")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--prefill-shapes", default=None, help="prefill: comma-separated label prefixes (gemma,llama)")
+    ap.add_argument("--prefill-configs", type=json.loads, default=None,
+                    help="prefill: a JSON list of [BLOCK_M, TILE_N, warps, stages] (null: the current one)")
+    ap.add_argument("--prefill-lazy-both", action="store_true",
+                    help="prefill: each configuration with LAZY_RESCALE on and off")
+    ap.add_argument("--vllm-fa", action="store_true",
+                    help="prefill: also vLLM 0.26.0's FlashAttention 3 from /tmp/vllmsite (bash .vllm/install.sh)")
     args = ap.parse_args()
+    if args.vllm_fa:
+        sys.path.append("/tmp/vllmsite")
     rows: list[dict] = []
     for name in args.only.split(","):
         if name in ("int4", "fp8"):
             SECTIONS[name](rows, args.sweep)
+        elif name == "prefill":
+            prefill(rows, args.prefill_shapes.split(",") if args.prefill_shapes else None, args.prefill_configs,
+                    args.prefill_lazy_both, args.vllm_fa)
         else:
             SECTIONS[name](rows)
     with open(os.path.join(args.out, "ab_kernels.json"), "w") as f:

@@ -2,12 +2,15 @@
 counts, timed on W1-like decode batches (GPU time from CUDA-graph replays; Llama-3.1-8B's heads, and
 Qwen3-30B-A3B's 4 KV heads in the last column), each checked against the torch backend first.
 
-    PYTHONUNBUFFERED=1 python benchmarks/sweep_decode_attention.py [--gemma [--out DIR]]
+    PYTHONUNBUFFERED=1 python benchmarks/sweep_decode_attention.py [--gemma [--out DIR]] [--variants JSON]
 
 `--gemma`: W2's decode instead (Gemma-3-12B's heads, 16 over 8 of width 256; W2's contexts of 6,000-15,000
 tokens; a global layer and a 1,024-token windowed one) over the wide-head configurations, unified and split-KV;
 writes DIR/decode_attention_gemma.json with the fastest variant as TritonAttentionBackend attributes (the form
 benchmarks/gpu_w2_gemma.py --attention-overrides reads).
+
+`--variants '[{"LAZY_RESCALE": false}, ...]'`: time the defaults against these TritonAttentionBackend attribute sets
+only, instead of the built-in grid (either mode).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ GEMMA_UNIFIED = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 3)
 GEMMA_SPLIT = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 32, 4, 3)]
 
 
-def gemma_sweep(out_dir: str) -> int:
+def gemma_sweep(out_dir: str, only: list[dict] | None = None) -> int:
     """The defaults and each variant (the attributes it sets), timed on a global and a windowed layer of W2's full
     decode batch and of a late one (24 requests); the fastest by the sum over W2's 8 global and 40 windowed layers."""
     import json
@@ -74,11 +77,14 @@ def gemma_sweep(out_dir: str) -> int:
         "B=24 window": (make_step(late, [1] * 24, seed=7, window=GEMMA_WINDOW, **shape), GEMMA_WINDOW),
     }
     variants = [{}]  # the class's defaults
-    variants += [{"WIDE_HEAD_DECODE_CONFIG": cfg, "WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT": None}
-                 for cfg in GEMMA_UNIFIED]
-    variants += [{"WIDE_HEAD_SPLIT_CONFIG": cfg, "WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT": keys}
-                 for cfg in GEMMA_SPLIT for keys in (W2_MAX_MODEL_LEN // 2, W2_MAX_MODEL_LEN // 4,
-                                                     W2_MAX_MODEL_LEN // 8)]
+    if only is not None:
+        variants += only
+    else:
+        variants += [{"WIDE_HEAD_DECODE_CONFIG": cfg, "WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT": None}
+                     for cfg in GEMMA_UNIFIED]
+        variants += [{"WIDE_HEAD_SPLIT_CONFIG": cfg, "WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT": keys}
+                     for cfg in GEMMA_SPLIT for keys in (W2_MAX_MODEL_LEN // 2, W2_MAX_MODEL_LEN // 4,
+                                                         W2_MAX_MODEL_LEN // 8)]
     print(f"{'variant':<88}" + "".join(f"{name:>26}" for name in steps) + f"{'W2 step est. ms':>17}")
     rows = []
     for attrs in variants:
@@ -113,24 +119,33 @@ def gemma_sweep(out_dir: str) -> int:
 
 def main() -> int:
     import argparse
+    import json
     import os
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemma", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", type=json.loads, default=None,
+                    help="a JSON list of TritonAttentionBackend attribute sets to time against the defaults")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.gemma:
-        return gemma_sweep(args.out)
+        return gemma_sweep(args.out, args.variants)
     steps = cases()
     variants = []
-    for cfg in CONFIGS:
-        b = TritonAttentionBackend(split_kv=False)
-        b.DECODE_CONFIG = cfg
-        variants.append((f"unified {cfg}", b))
-    for n in SPLITS:
-        variants.append((f"split-KV x{n}", TritonAttentionBackend(split_kv=True, num_splits=n)))
+    if args.variants is None:
+        for cfg in CONFIGS:
+            b = TritonAttentionBackend(split_kv=False)
+            b.DECODE_CONFIG = cfg
+            variants.append((f"unified {cfg}", b))
+        for n in SPLITS:
+            variants.append((f"split-KV x{n}", TritonAttentionBackend(split_kv=True, num_splits=n)))
     variants.append(("default heuristic", TritonAttentionBackend()))
+    for attrs in args.variants or []:
+        b = TritonAttentionBackend()
+        for name, value in attrs.items():
+            setattr(b, name, value)
+        variants.append((", ".join(f"{k}={v}" for k, v in attrs.items()), b))
     print(f"{'variant':<32}" + "".join(f"{name:>24}" for name, _ in steps))
     for vname, backend in variants:
         ok = all(check(f"{vname} {name}", backend, step) for name, step in (steps[0], steps[-1]))  # both shapes
