@@ -158,12 +158,13 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
             case = f"{label}: ctx {ctx} + {q_len}"
             runs = []
             for config in configs or PREFILL_CONFIGS:
+                launch = tuple(config) if config else current
                 for lazy in lazy_values:
                     backend = TritonAttentionBackend()
-                    backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (
-                        tuple(config) if config else current)
+                    backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = launch
+                    backend.WIDE_HEAD_LONG_PREFILL_CONFIG = launch
                     backend.LAZY_RESCALE = lazy
-                    name = (f"{tuple(config) if config else current}{' (current)' if config is None else ''}"
+                    name = (f"{launch}{' (current)' if config is None else ''}"
                             + (f" lazy={lazy}" if lazy_both else ""))
                     runs.append((name, lambda b=backend: b.forward(q, k, v, cache, meta, scale,
                                                                    sliding_window=window)))

@@ -58,6 +58,14 @@ GEMMA_UNIFIED = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 3)
 GEMMA_SPLIT = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 32, 4, 3)]
 
 
+def backend_with(attrs: dict) -> TritonAttentionBackend:
+    """A backend with these attributes set over the class's defaults."""
+    backend = TritonAttentionBackend()
+    for name, value in attrs.items():
+        setattr(backend, name, value)
+    return backend
+
+
 def gemma_sweep(out_dir: str, only: list[dict] | None = None) -> int:
     """The defaults and each variant (the attributes it sets), timed on a global and a windowed layer of W2's full
     decode batch and of a late one (24 requests); the fastest by the sum over W2's 8 global and 40 windowed layers."""
@@ -88,9 +96,7 @@ def gemma_sweep(out_dir: str, only: list[dict] | None = None) -> int:
     print(f"{'variant':<88}" + "".join(f"{name:>26}" for name in steps) + f"{'W2 step est. ms':>17}")
     rows = []
     for attrs in variants:
-        backend = TritonAttentionBackend()
-        for name, value in attrs.items():
-            setattr(backend, name, value)
+        backend = backend_with(attrs)
         splits = backend.choose_num_splits(64, 8, 1, W2_MAX_MODEL_LEN, 256)  # as the engine does: max_model_len
         backend.forced_num_splits = splits if splits > 1 else None
         backend.split_kv = splits > 1
@@ -142,10 +148,7 @@ def main() -> int:
             variants.append((f"split-KV x{n}", TritonAttentionBackend(split_kv=True, num_splits=n)))
     variants.append(("default heuristic", TritonAttentionBackend()))
     for attrs in args.variants or []:
-        b = TritonAttentionBackend()
-        for name, value in attrs.items():
-            setattr(b, name, value)
-        variants.append((", ".join(f"{k}={v}" for k, v in attrs.items()), b))
+        variants.append((", ".join(f"{k}={v}" for k, v in attrs.items()), backend_with(attrs)))
     print(f"{'variant':<32}" + "".join(f"{name:>24}" for name, _ in steps))
     for vname, backend in variants:
         ok = all(check(f"{vname} {name}", backend, step) for name, step in (steps[0], steps[-1]))  # both shapes
