@@ -25,23 +25,40 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        # Set by the model for consecutive layers of one stage (link_next): this layer's output norm, the
+        # residual add and the next layer's input norm then run as one kernel here.
+        self.next_input_norm: GemmaRMSNorm | None = None
+
+    def link_next(self, following: "GemmaDecoderLayer") -> None:
+        # A plain attribute, not a submodule: the norm's weight belongs to the following layer.
+        object.__setattr__(self, "next_input_norm", following.input_layernorm)
+        following.input_is_normed = True
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         """Returns (sublayer output, residual): the caller adds them (the next layer's input norm, or the
-        final norm), as in Llama; here each sublayer's output is normed before it is added."""
+        final norm), as in Llama; here each sublayer's output is normed before it is added. A linked layer
+        returns (the next layer's normed input, residual) instead, and the next one takes it as it is."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
-        else:
+        elif not self.input_is_normed:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden, residual = self.post_attention_layernorm.then_add_norm(
             self.pre_feedforward_layernorm, self.self_attn(positions, hidden, kv_cache, meta), residual)
+        if self.next_input_norm is not None:
+            return self.post_feedforward_layernorm.then_add_norm(self.next_input_norm, self.mlp(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = GemmaDecoderLayer
     norm_cls = GemmaRMSNorm
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        local = self.layers[self.start_layer:self.end_layer]
+        for layer, following in zip(local, local[1:]):
+            layer.link_next(following)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

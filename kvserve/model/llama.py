@@ -154,6 +154,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # True when the previous layer hands over this layer's normed input (and the residual stream entering it).
+    input_is_normed = False
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, quant_config=None,
                  prefix: str = "", layer_idx: int = 0):
         super().__init__()
@@ -257,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start_layer:self.end_layer], kv_caches),
                                               start=self.start_layer):
             if i in self.aux_layer_ids:
-                aux.append(hidden + residual)  # layer ids >= 1, so a residual exists
+                # layer ids >= 1, so a residual exists
+                aux.append(residual if layer.input_is_normed else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if not self.is_last_stage:
             return hidden, residual
