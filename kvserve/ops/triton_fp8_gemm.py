@@ -1,10 +1,14 @@
-"""Weight-streaming FP8 GEMM for few rows (decode): W8A16, y = x @ (w_e4m3 * scale[:, None])^T.
+"""Weight-streaming FP8 GEMM for few rows (decode): W8A16, y = x @ (w_e4m3 * scale[:, None])^T, or with
+group scales along K (block-wise FP8 checkpoints: scale [R, ceil(K / GROUP_K)] and the scale row r[n] of each
+output row) y = x @ (w_e4m3 * scale[r[n], k // GROUP_K])^T.
 
 At a handful of rows a linear layer is bound by reading its weight; the FP8 weight is half of bf16's
 bytes. torch._scaled_mm would first need the activations quantized (another kernel) and its row-wise
 kernels are tuned for large M. Here each program reads a [BLOCK_N, BLOCK_K] slab of the e4m3 weight
 (contiguous along K, as stored), converts it to the activation dtype in registers and feeds tl.dot with
 the (unquantized) activation rows; the per-output-channel scale is applied once to the fp32 accumulator.
+Group scales are applied to the weight tile instead, in fp32, before it is rounded to the activation dtype: the
+product is that of the dequantized weight.
 Activations are not quantized, so this path is at least as accurate as W8A8.
 
 Few output tiles (small N) leave SMs idle: K is then split into fp32 partials summed afterwards
@@ -24,10 +28,11 @@ from kvserve.ops import split_k as splits
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
+    x_ptr, w_ptr, s_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om, stride_os, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, GROUP_K: tl.constexpr,
 ):
+    """GROUP_K 0: per-channel scales s [N]; else s [R, ceil(K / GROUP_K)] (row stride stride_sn), row r[n]."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -38,6 +43,8 @@ def _w8a16_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GROUP_K:
+        s_rows = tl.load(r_ptr + offs_n, mask=n_ok, other=0).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -49,9 +56,14 @@ def _w8a16_kernel(
             k_ok = offs_k < k_end
             x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GROUP_K:
+            s = tl.load(s_ptr + s_rows[:, None] * stride_sn + (offs_k // GROUP_K)[None, :],
+                        mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = w.to(tl.float32) * s
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
-    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-    acc = acc * scale[None, :]
+    if not GROUP_K:
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * scale[None, :]
     out_off = pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -101,10 +113,13 @@ def fit_shared_memory(block_m: int, config: tuple[int, int, int, int], x_bytes: 
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (16/32-bit float), weight e4m3 [N, K], scale float32 [N] -> [M, N] in x's dtype.
-    split_k None: chosen from the shapes (split only when the N tiles alone leave SMs idle)."""
+               config: tuple[int, int, int, int] | None = None, group_k: int = 0,
+               scale_row: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (16/32-bit float), weight e4m3 [N, K], scale float32 [N] (group_k 0) or [R, ceil(K / group_k)]
+    with scale_row int32 [N] -> [M, N] in x's dtype. split_k None: chosen from the shapes (split only when the
+    N tiles alone leave SMs idle)."""
     assert x.dim() == 2 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1
+    assert not group_k or (scale.dim() == 2 and scale.stride(1) == 1 and scale_row is not None)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
@@ -121,8 +136,10 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split
         return splits.finish(out, split_k, x.dtype)
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
     _w8a16_kernel[grid](
-        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), n, stride_os, k_per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        x, weight, scale, scale_row if group_k else scale, out, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0) if group_k else 0, n,
+        stride_os, k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", GROUP_K=group_k, num_warps=warps,
+        num_stages=stages,
     )
     return splits.finish(out, split_k, x.dtype)

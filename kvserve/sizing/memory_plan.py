@@ -41,20 +41,28 @@ BLOCK_FP8_SCALE_SUFFIX = "_scale_inv"
 
 def block_fp8_weights(names) -> set[str]:
     """The block-wise FP8 weights among a checkpoint's tensor names: those stored with a `_scale_inv` beside
-    them (quantization/fp8_block.py dequantizes exactly these as it reads them)."""
+    them."""
     return {n.removesuffix(BLOCK_FP8_SCALE_SUFFIX) for n in names if n.endswith(BLOCK_FP8_SCALE_SUFFIX)}
+
+
+def block_fp8_dequantized_at_load(name: str) -> bool:
+    """Whether a block-wise FP8 weight (or a layer's prefix) is dequantized to the serving dtype as it is read:
+    the routed experts (no block-scaled grouped GEMM yet). The rest is served as stored (quantization/fp8_block.py)."""
+    return "experts" in name.split(".")
 
 
 def weights_format(quant_config) -> dict:
     """PlanInputs' quantization fields for the engine's resolved quantization (a QuantizationConfig, or None):
     quantization in the terms weight_bytes counts ("fp8": one byte a weight, as fp8, compressed-tensors and
-    8-bit GPTQ store it; "awq" / "gptq": int4 with group scales; None: the serving dtype, also for weights
-    dequantized at load such as block-wise FP8), whether the weights are quantized at load (then the
-    checkpoint's bytes are not what the GPU holds), and the routed experts' own format where only they are
-    quantized (experts_quantization: "mxfp4", gpt-oss's experts, the rest of its layers in the serving dtype)."""
+    8-bit GPTQ store it, and block-wise FP8's dense layers; "awq" / "gptq": int4 with group scales; None: the
+    serving dtype), whether the weights are quantized at load (then the checkpoint's bytes are not what the GPU
+    holds), and the routed experts' own format where it differs (experts_quantization: "mxfp4", gpt-oss's
+    experts, the rest of its layers in the serving dtype; "dequantized", block-wise FP8's experts)."""
     experts = getattr(quant_config, "experts_format", None)
-    if experts is not None:
-        return {"quantization": None, "quantized_at_load": False, "experts_quantization": experts}
+    if experts is not None:  # the experts' own format: gpt-oss's mxfp4 (dense layers unquantized), or block-wise
+        # FP8's dequantized experts (dense layers in fp8)
+        dense = "fp8" if quant_config.bits_per_weight < 16 else None
+        return {"quantization": dense, "quantized_at_load": False, "experts_quantization": experts}
     if quant_config is None or quant_config.bits_per_weight >= 16:
         return dict(quantization=None, quantized_at_load=False)
     name = quant_config.name if getattr(quant_config, "bits", 8) == 4 else "fp8"
@@ -244,7 +252,8 @@ def weight_bytes(shape: RankShape, dtype_bytes: int, quantization: str | None = 
         h, shape.intermediate_size, dtype_bytes, quantization)
     if shape.moe_layers:
         experts = experts_quantization or quantization
-        if experts == "mxfp4" and not mxfp4_experts_packed(h, shape.moe_intermediate_size):
+        packed = experts != "mxfp4" or mxfp4_experts_packed(h, shape.moe_intermediate_size)
+        if experts == "dequantized" or not packed:
             experts = None  # served dequantized
         moe = shape.num_local_experts * _mlp_bytes(h, shape.moe_intermediate_size, dtype_bytes, experts)
         moe += h * shape.num_experts * dtype_bytes  # the router, unquantized
@@ -406,15 +415,17 @@ def checkpoint_weight_bytes(tensors: dict[str, tuple[str, int]], dtype_bytes: in
     """Bytes the loaded model holds on one GPU: float tensors are cast to the serving dtype, packed/quantized
     tensors (int, fp8, and MXFP4 experts: gpt-oss's `_blocks` of two values a byte and their `_scales`) keep
     their bytes. A tied model's stored lm_head is not loaded. Block-wise FP8 weights (each with a `_scale_inv`)
-    are dequantized at load to the serving dtype."""
+    keep their bytes, except the routed experts', dequantized at load to the serving dtype (their scales go)."""
     total = 0
-    block_fp8 = block_fp8_weights(tensors)
+    dequantized = {n for n in block_fp8_weights(tensors) if block_fp8_dequantized_at_load(n)}
     for name, (dtype, numel) in tensors.items():
         if "rotary_emb.inv_freq" in name or (tie_word_embeddings and name.endswith("lm_head.weight")):
             continue
-        if name.endswith(BLOCK_FP8_SCALE_SUFFIX) and name.removesuffix(BLOCK_FP8_SCALE_SUFFIX) in block_fp8:
+        if name.endswith(BLOCK_FP8_SCALE_SUFFIX) and name.removesuffix(BLOCK_FP8_SCALE_SUFFIX) in dequantized:
             continue
-        if dtype in _SAFETENSORS_FLOAT or name in block_fp8:
+        if name.endswith(BLOCK_FP8_SCALE_SUFFIX):  # served as stored, in float32
+            total += numel * 4
+        elif dtype in _SAFETENSORS_FLOAT or name in dequantized:
             total += numel * dtype_bytes
         else:
             total += numel * _raw_bytes(dtype)

@@ -374,6 +374,37 @@ def test_w8a16_gemm_equals_dequantized_reference(dtype, m, k, n):
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=compiled_only)],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("m,k,n,group_k", [(1, 640, 96, 128), (5, 200, 72, 24), (16, 1024, 64, 128)])
+def test_block_fp8_kernels_equal_dequantized_reference(dtype, m, k, n, group_k):
+    """Block-wise FP8 (quantization/fp8_block.py's layout): e4m3 [N, K], scales [R, ceil(K / group_k)] read
+    through a row map (rows of several parts, sharing and skipping scale rows). The dequantize kernel gives
+    the torch reference's values bit for bit; the W8A16 kernel with group scales (split-K forced too) the
+    product of that dequantized weight. Ragged K (640, 200 past the last whole group)."""
+    from kvserve.ops.fp8_group_dequant import dequantize_groups, dequantize_groups_triton
+    from kvserve.ops.triton_fp8_gemm import w8a16_gemm
+
+    torch.manual_seed(n + k + group_k)
+    groups = -(-k // group_k)
+    q = (torch.randn(n, k) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
+    scale = (torch.rand(n // 4 + 3, groups) * 1e-3 + 1e-4).to(DEVICE)
+    scale_row = torch.randint(0, scale.shape[0], (n,), dtype=torch.int32).sort().values.to(DEVICE)
+    ref_w = dequantize_groups(q, scale, scale_row, group_k, torch.float32)
+    assert torch.equal(ref_w.cpu(), q.float().cpu() * scale.cpu()[scale_row.long().cpu()].repeat_interleave(
+        group_k, dim=1)[:, :k])
+    for out_dtype in (torch.float32, dtype):
+        got = dequantize_groups_triton(q, scale, scale_row, group_k, out_dtype)
+        assert torch.equal(got, dequantize_groups(q, scale, scale_row, group_k, out_dtype))
+    x = torch.randn(m, k).to(dtype).to(DEVICE)
+    ref = x.float() @ ref_w.to(dtype).float().T
+    tol = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for split_k in (None, 3):
+        got = w8a16_gemm(x, q, scale, split_k=split_k, group_k=group_k, scale_row=scale_row)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=f"split {split_k}")
+
+
 def test_w8a16_launch_config_fits_shared_memory():
     """Every activation dtype gets a launch config within an H100/H200's shared memory per block (fp32 at
     BLOCK_M 64 needs 253,952 bytes with the 16-bit config); the 16-bit configs are left as measured."""

@@ -75,7 +75,8 @@ class Fp8Config(QuantizationConfig):
         if q.get("weight_block_size") is not None:
             from kvserve.model.quantization.fp8_block import Fp8BlockConfig
 
-            return Fp8BlockConfig(q["weight_block_size"])
+            return Fp8BlockConfig(q["weight_block_size"],
+                                  q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
         return cls(checkpoint_is_fp8=True, activation_scheme=str(q.get("activation_scheme", "dynamic")),
                    ignored_layers=q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
 
