@@ -112,7 +112,11 @@ def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1) -> dict:
     n_in = sum(r.prompt_len for r in reqs)
     assert n_out == sum(r.expected_output_len for r in reqs)
     stats = engine.get_stats()
+    startup = engine.executor.worker.startup  # what the GPU sizing measured (kvserve/worker/memory.py)
+    sizing = {"weights": startup.weights, "activation_peak": startup.activation_peak, "non_torch": startup.non_torch,
+              "graph_reserve": startup.graph_reserve, "kv_cache": engine.executor.worker.kv_bytes}
     return {
+        "memory_gib": {k: round(v / 2**30, 2) for k, v in sizing.items() if v is not None},
         "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 2),
         "output_tok_s": round(n_out / seconds, 1), "total_tok_s": round((n_in + n_out) / seconds, 1),
         "kv_cache_groups": len(engine.kv_cache_manager.groups),
@@ -187,6 +191,7 @@ def main():
     print(f"| KV cache groups / blocks / longest request (tokens) | {w2['kv_cache_groups']} / {w2['kv_blocks']:,} / "
           f"{w2['kv_cache_tokens']:,} |")
     print(f"| preemptions | {w2['preemptions']} |")
+    print(f"| GiB: {' / '.join(w2['memory_gib'])} | {' / '.join(str(v) for v in w2['memory_gib'].values())} |")
     if "attention_overrides" in results:
         print(f"| attention launch overrides | {results['attention_overrides']} |")
     if "vllm" in results:

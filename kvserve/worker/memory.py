@@ -185,8 +185,11 @@ class StartupMemory:
             self.free_at_start, self.total = _host_memory()
             self.allocated_at_start = self.reserved_at_start = 0
         self.others = self.total - self.free_at_start
+        # What the GPU sizing measured and reserved (bytes; None until then), for the log and benchmarks.
         self.weights: int | None = None
         self.activation_peak: int | None = None
+        self.non_torch: int | None = None
+        self.graph_reserve: int | None = None
 
     def free_now(self) -> int:
         return torch.cuda.mem_get_info()[0] if self.on_gpu else _host_memory()[0]
@@ -289,9 +292,10 @@ class StartupMemory:
         self.activation_peak = peak = torch.cuda.max_memory_allocated() - allocated_after_load
         torch.cuda.empty_cache()
         free_now, _ = torch.cuda.mem_get_info()
-        non_torch = max(0, (self.free_at_start - free_now) - (torch.cuda.memory_reserved() - self.reserved_at_start))
-        graphs = memory_plan.cuda_graph_reserve_bytes(peak, args.max_num_seqs, config.max_num_batched_tokens,
-                                                      args.enforce_eager)
+        self.non_torch = non_torch = max(0, (self.free_at_start - free_now)
+                                         - (torch.cuda.memory_reserved() - self.reserved_at_start))
+        self.graph_reserve = graphs = memory_plan.cuda_graph_reserve_bytes(
+            peak, args.max_num_seqs, config.max_num_batched_tokens, args.enforce_eager)
         budget = memory_plan.gpu_budget_bytes(self.total, args.gpu_memory_utilization)
         kv_bytes = memory_plan.kv_cache_bytes(budget, self.others, weights, peak, non_torch, graphs)
         logger.info(
