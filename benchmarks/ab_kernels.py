@@ -1,7 +1,7 @@
 """Old against new kernels on the GPU, each checked against the other before it is timed; a table last.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only int4,fp8,fp8-fusion,prefill]
-        [--sweep] [--out DIR] [--prefill-shapes gemma,llama] [--prefill-configs JSON] [--prefill-lazy-both]
+        [--sweep] [--out DIR] [--prefill-shapes gemma,llama] [--prefill-configs JSON]
         [--vllm-fa]
 
 * fp8-fusion: the W8A8 inputs of Llama-3.1-8B's layer (hidden 4096 after RMSNorm, intermediate 14336 after
@@ -136,13 +136,11 @@ def _vllm_flash_attention(q, cache, meta, scale, window):
 
 
 def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | None = None,
-            lazy_both: bool = False, vllm_fa: bool = False) -> None:
+            vllm_fa: bool = False) -> None:
     """shapes: labels' prefixes to run (all by default); configs: the launch configurations (PREFILL_CONFIGS);
-    lazy_both: each configuration also with the other LAZY_RESCALE; vllm_fa: vLLM's FlashAttention 3 as well."""
+    vllm_fa: vLLM's FlashAttention 3 as well."""
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
-    lazy_values = [TritonAttentionBackend.LAZY_RESCALE] + ([not TritonAttentionBackend.LAZY_RESCALE] if lazy_both
-                                                           else [])
     for label, heads, window, cases in PREFILL_SHAPES:
         if shapes and not any(label.startswith(prefix) for prefix in shapes):
             continue
@@ -159,15 +157,11 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
             runs = []
             for config in configs or PREFILL_CONFIGS:
                 launch = tuple(config) if config else current
-                for lazy in lazy_values:
-                    backend = TritonAttentionBackend()
-                    backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = launch
-                    backend.WIDE_HEAD_LONG_PREFILL_CONFIG = launch
-                    backend.LAZY_RESCALE = lazy
-                    name = (f"{launch}{' (current)' if config is None else ''}"
-                            + (f" lazy={lazy}" if lazy_both else ""))
-                    runs.append((name, lambda b=backend: b.forward(q, k, v, cache, meta, scale,
-                                                                   sliding_window=window)))
+                backend = TritonAttentionBackend()
+                backend.PREFILL_CONFIG = backend.LONG_PREFILL_CONFIG = launch
+                backend.WIDE_HEAD_LONG_PREFILL_CONFIG = launch
+                name = f"{launch}{' (current)' if config is None else ''}"
+                runs.append((name, lambda b=backend: b.forward(q, k, v, cache, meta, scale, sliding_window=window)))
             if vllm_fa:  # after the first run has written the new keys into the cache
                 runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
             for name, run in runs:
@@ -418,8 +412,6 @@ def main():
     ap.add_argument("--prefill-shapes", default=None, help="prefill: comma-separated label prefixes (gemma,llama)")
     ap.add_argument("--prefill-configs", type=json.loads, default=None,
                     help="prefill: a JSON list of [BLOCK_M, TILE_N, warps, stages] (null: the current one)")
-    ap.add_argument("--prefill-lazy-both", action="store_true",
-                    help="prefill: each configuration with LAZY_RESCALE on and off")
     ap.add_argument("--vllm-fa", action="store_true",
                     help="prefill: also vLLM 0.26.0's FlashAttention 3 from /tmp/vllmsite (bash .vllm/install.sh)")
     args = ap.parse_args()
@@ -431,7 +423,7 @@ def main():
             SECTIONS[name](rows, args.sweep)
         elif name == "prefill":
             prefill(rows, args.prefill_shapes.split(",") if args.prefill_shapes else None, args.prefill_configs,
-                    args.prefill_lazy_both, args.vllm_fa)
+                    args.vllm_fa)
         else:
             SECTIONS[name](rows)
     with open(os.path.join(args.out, "ab_kernels.json"), "w") as f:

@@ -87,7 +87,7 @@ def _attend_keys(
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
     [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
@@ -130,26 +130,12 @@ def _attend_keys(
                 visible = visible & (kpos[None, :] > query_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if LAZY_RESCALE:
-            # The rows keep their reference max until one of them grows by more than 2^8: p stays at most
-            # 256 (exact enough in bf16, far from fp32's range), and most steps skip the acc * alpha pass.
-            grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
-            if grow > 8.0:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
-                alpha = tl.exp2(m_i - m_use)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PREC)
-        else:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -171,7 +157,7 @@ def _unified_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
     # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
@@ -233,17 +219,17 @@ def _unified_attention_kernel(
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_lo, full_start, qk_scale,
             window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-            True, KV_FP8, HAS_WINDOW, SOFT_CAP, LAZY_RESCALE,
+            True, KV_FP8, HAS_WINDOW, SOFT_CAP,
         )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_start, full_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        False, KV_FP8, HAS_WINDOW, SOFT_CAP, LAZY_RESCALE,
+        False, KV_FP8, HAS_WINDOW, SOFT_CAP,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        True, KV_FP8, HAS_WINDOW, SOFT_CAP, LAZY_RESCALE,
+        True, KV_FP8, HAS_WINDOW, SOFT_CAP,
     )
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
@@ -266,7 +252,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Decode-only batches: one program per (request, kv head, split of the context)."""
     req = tl.program_id(0)
@@ -309,12 +295,12 @@ def _decode_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_start, full_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        False, KV_FP8, False, SOFT_CAP, LAZY_RESCALE,
+        False, KV_FP8, False, SOFT_CAP,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        True, KV_FP8, False, SOFT_CAP, LAZY_RESCALE,
+        True, KV_FP8, False, SOFT_CAP,
     )
     if HAS_SINKS and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
@@ -429,10 +415,6 @@ class TritonAttentionBackend:
     # (benchmarks/sweep_decode_attention.py --gemma on the H200, BENCHMARKS.md).
     WIDE_HEAD_DECODE_CONFIG = (16, 64, 4, 2)
     WIDE_HEAD_SPLIT_CONFIG = (16, 32, 4, 3)
-    # Online softmax that moves a row's reference max only when it grows by more than 2^8 (_attend_keys). Off
-    # until timed on the GPU: benchmarks/ab_kernels.py --only prefill --prefill-lazy-both, and
-    # benchmarks/sweep_decode_attention.py --variants '[{"LAZY_RESCALE": true}]'.
-    LAZY_RESCALE = False
     # Split-KV: each split gets at least this many keys, and at most this many splits.
     MIN_KEYS_PER_SPLIT = 256
     MAX_SPLITS = 32
@@ -512,7 +494,7 @@ class TritonAttentionBackend:
         block_tables = meta.block_tables
         common = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size, "DOT_PREC": dot_prec,
                   "KV_FP8": kv_fp8, "HAS_WINDOW": sliding_window is not None, "SOFT_CAP": logits_soft_cap is not None,
-                  "HAS_SINKS": sinks is not None, "LAZY_RESCALE": self.LAZY_RESCALE}
+                  "HAS_SINKS": sinks is not None}
         # Unread when their switch is off; the cap in the kernels' log2 domain.
         window = sliding_window or 0
         soft_cap = (logits_soft_cap or 1.0) * _LOG2E

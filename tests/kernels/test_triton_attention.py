@@ -152,16 +152,13 @@ def test_small_tiles():
 
 
 @pytest.mark.parametrize("q_scale", [3.0, 30.0, 300.0])
-@pytest.mark.parametrize("lazy", [False, True])
-def test_online_softmax_as_row_maxima_grow(lazy, q_scale):
-    # Large scores whose running row maxima grow from one 16-key step to the next by less and by more than
-    # the lazy rescale's 2^8 (x3: mostly less, so p reaches far above 1; x30: both; x300: jumps past fp32's
-    # range unless the max moves): both updates give the reference, on decodes, a prefill chunk on cached
-    # keys and the split-KV path.
+def test_online_softmax_as_row_maxima_grow(q_scale):
+    # Large scores whose running row maxima grow from one 16-key step to the next by small and by large
+    # steps (x300: jumps past fp32's range unless the max moves): the online softmax gives the reference, on
+    # decodes, a prefill chunk on cached keys and the split-KV path.
     for split in (False, True):
         backend = ta.TritonAttentionBackend(split_kv=split, num_splits=3 if split else None)
         backend.PREFILL_CONFIG = backend.DECODE_CONFIG = backend.SPLIT_CONFIG = (16, 16, 4, 1)
-        backend.LAZY_RESCALE = lazy
         ctx, q_lens = ([70, 0, 33], [1, 40, 9]) if not split else ([70, 33], [1, 1])
         q, k, v, kv_cache, meta = make_batch(ctx, q_lens, num_heads=4, num_kv_heads=2, block_size=8,
                                              seed=int(q_scale) + split)
