@@ -110,6 +110,29 @@ def test_tensor_parallel_slices_starting_inside_a_block_match_tp1(block_fp8):
     assert tp2 == single == hf_greedy(hf, prompts, MAX_TOKENS)
 
 
+def test_pipeline_stages_and_ignored_layers(block_fp8, tmp_path):
+    """PP=2: each stage loads its own layers in FP8 and passes over the other's. A layer the config lists in
+    ignored_layers (stored in FP8 anyway) is served unquantized, dequantized as read."""
+    import shutil
+
+    qdir, _, hf = block_fp8("qwen3", (16, 24))
+    prompts = random_prompts(3, 5, 40, seed=12)
+    expected = hf_greedy(hf, prompts, MAX_TOKENS)
+    llm, pp2 = _generate(qdir, prompts, pipeline_parallel_size=2)
+    llm.llm_engine.shutdown()
+    assert pp2 == expected
+    ignored = tmp_path / "ignored"
+    shutil.copytree(qdir, ignored)
+    config = json.loads((ignored / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["model.layers.0.mlp.down_proj"]
+    (ignored / "config.json").write_text(json.dumps(config))
+    llm, got = _generate(ignored, prompts)
+    layers = llm.llm_engine.executor.runner.model.layers
+    assert layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert got == expected
+
+
 def test_an_input_slice_starting_inside_a_block_is_refused(block_fp8):
     qdir, _, _ = block_fp8("llama", (16, 24))
     with pytest.raises(Exception, match=r"start at feature 32, inside a 24-wide block"):

@@ -61,11 +61,18 @@ class Fp8BlockConfig(QuantizationConfig):
 
     def read_weights(self, weights: Iterable, model_path: Path, dtype: torch.dtype, device) -> Iterator:
         quantized = block_fp8_weights(checkpoint_tensors(model_path))
-        experts = {n for n in quantized if not self._served_as_stored(n)}
+        # By name, not by the layers built here: another pipeline stage's weights pass through untouched (the
+        # model skips them).
+        experts = {n for n in quantized if self._dequantized_at_read(n)}
         logger.info("FP8 block-wise checkpoint (weight_block_size %s): %d weights served in FP8, %d (routed experts: "
-                    "no block-scaled grouped GEMM yet) dequantized to %s as read", list(self.block),
+                    "no block-scaled grouped GEMM yet; ignored layers) dequantized to %s as read", list(self.block),
                     len(quantized) - len(experts), len(experts), str(dtype).removeprefix("torch."))
         return self._quantize_float_layers(dequantized_weights(weights, experts, self.block, dtype, device), device)
+
+    def _dequantized_at_read(self, name: str) -> bool:
+        prefix = name.removesuffix(".weight")
+        return block_fp8_dequantized_at_load(prefix) or self.skipped(prefix.removeprefix("model."),
+                                                                     self.ignored_layers)
 
     def _served_as_stored(self, name: str) -> bool:
         return name.removeprefix("model.") in self.layer_weight_names or name in self.layer_weight_names
