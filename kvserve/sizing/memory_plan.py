@@ -306,14 +306,11 @@ def kv_bytes_per_block(shape: RankShape, kv_dtype_bytes: int, block_size: int) -
     return kv_bytes_per_token(shape, kv_dtype_bytes) * block_size
 
 
-def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int, block_size: int,
-                          kv_dtype_bytes: int) -> int:
-    """An estimate of what the engine's profile run measures: the scratch KV cache it writes into, the
-    largest layer's live tensors (residual, normed input, merged gate/up, activated MLP input, the
-    attention projections) and the logits with the sampler's sort over the vocabulary."""
+def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
+    """An estimate of the activations the engine's profile run measures (its scratch KV cache left out, as the
+    engine leaves it out): the largest layer's live tensors (residual, normed input, merged gate/up, activated
+    MLP input, the attention projections) and the logits with the sampler's sort over the vocabulary."""
     num_seqs = max(1, min(num_seqs, num_tokens))
-    blocks_per_seq = cdiv(cdiv(num_tokens, num_seqs), block_size)
-    scratch_kv = num_seqs * blocks_per_seq * block_size * kv_bytes_per_token(shape, kv_dtype_bytes)
     h, i = shape.hidden_size, shape.intermediate_size
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     # A MoE layer holds, per (token, expert) pair, its gate_up, activated and down rows.
@@ -321,7 +318,7 @@ def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtyp
     layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h, moe)) * dtype_bytes
     # logits in the model dtype, in fp32, then probabilities, sorted values and int64 indices
     sampler = num_seqs * shape.vocab_size * (dtype_bytes + 4 * 3 + 8) if shape.has_lm_head else 0
-    return scratch_kv + max(layer, sampler + num_tokens * h * dtype_bytes)
+    return max(layer, sampler + num_tokens * h * dtype_bytes)
 
 
 # Token counts of the mixed-step CUDA graphs (prefill chunks included), those up to max_num_batched_tokens.
@@ -552,8 +549,7 @@ def make_plan(p: PlanInputs) -> MemoryPlan:
         weights += draft_weights
         per_token = kv_bytes_per_token(shape, kv_dtype) + draft_per_token
         per_block = per_token * p.block_size
-        activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes,
-                                           p.block_size, kv_dtype)
+        activation = activation_peak_bytes(shape, p.max_num_batched_tokens, p.max_num_seqs, dtype_bytes)
         graphs = cuda_graph_reserve_bytes(activation, p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager)
         if p.num_gpu_blocks_override is not None:
             kv = p.num_gpu_blocks_override * per_block

@@ -288,8 +288,8 @@ class StartupMemory:
         allocated_after_load = torch.cuda.memory_allocated()
         self.weights = weights = allocated_after_load - self.allocated_at_start
         torch.cuda.reset_peak_memory_stats()
-        runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
-        self.activation_peak = peak = torch.cuda.max_memory_allocated() - allocated_after_load
+        scratch_kv = runner.profile_run(config.max_num_batched_tokens, args.max_num_seqs)
+        self.activation_peak = peak = torch.cuda.max_memory_allocated() - allocated_after_load - scratch_kv
         torch.cuda.empty_cache()
         free_now, _ = torch.cuda.mem_get_info()
         self.non_torch = non_torch = max(0, (self.free_at_start - free_now)

@@ -199,14 +199,18 @@ class ModelRunner:
 
     # ---- profiling (memory sizing) -----------------------------------------------------------------
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+    def profile_run(self, num_tokens: int, num_seqs: int) -> int:
         """A forward at the largest step (num_tokens over num_seqs requests) plus sampling at
-        num_seqs rows, on a scratch KV cache just big enough, so the peak activation can be measured."""
+        num_seqs rows, on a scratch KV cache just big enough, so the peak activation can be measured.
+        Returns the scratch cache's bytes: a real step writes into the KV cache the budget counts already,
+        so the scratch is part of the measured peak but not of the activations."""
         num_seqs = max(1, min(num_seqs, num_tokens))
         q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
         q_lens[: num_tokens % num_seqs] += 1
         blocks_per_seq = -(-int(q_lens.max()) // self.block_size)
-        scratch = self.layer_caches(self.allocate_kv_cache(num_seqs * blocks_per_seq))
+        scratch_tensors = self.allocate_kv_cache(num_seqs * blocks_per_seq)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch_tensors)
+        scratch = self.layer_caches(scratch_tensors)
         tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int64).reshape(num_seqs, blocks_per_seq)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
@@ -230,8 +234,8 @@ class ModelRunner:
         if self.eagle:
             hidden = hidden[0]
         if not self.model.is_last_stage:
-            del scratch, hidden
-            return
+            del scratch, scratch_tensors, hidden
+            return scratch_bytes
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
         meta_s = SamplingMetadata(
@@ -242,9 +246,10 @@ class ModelRunner:
             generators={}, all_greedy=False,
         )
         sample(logits, meta_s)
-        del scratch, hidden, logits
+        del scratch, scratch_tensors, hidden, logits
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        return scratch_bytes
 
     # ---- one step --------------------------------------------------------------------------------
     def _build_inputs(self, layout: StepLayout) -> tuple[StepInputs, AttentionMetadata]:
