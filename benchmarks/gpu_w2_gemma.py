@@ -79,7 +79,7 @@ def tiny_parity() -> dict:
     return out
 
 
-def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1) -> dict:
+def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory_utilization: float = 0.9) -> dict:
     """W2 timed `passes` times on one engine (each from an empty prefix cache); the best pass is the row."""
     from benchmarks.gpu_w1 import StepTimer
     from kvserve import LLM, SamplingParams
@@ -90,7 +90,7 @@ def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1) -> dict:
     path = write_w2_config()
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=W2_MAX_MODEL_LEN,
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization)
     init_s = time.perf_counter() - t0
     engine = llm.llm_engine
     prompts = [r.engine_prompt() for r in reqs]
@@ -155,6 +155,8 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
                     help="the step budget (vLLM 0.26.0's default on an H200, so both engines get the same)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="another KV cache size (vLLM's run keeps its default 0.9): how much preemptions cost")
     ap.add_argument("--vllm-json", help="vLLM's result on the same run (benchmarks/vllm_w2_gemma.py): adds ratios")
     ap.add_argument("--attention-overrides", help="JSON of TritonAttentionBackend attributes for this run (or "
                     "benchmarks/sweep_decode_attention.py --gemma's result, whose fastest variant it takes)")
@@ -168,7 +170,8 @@ def main():
     if not args.skip_checks:
         results["kernel_tests"] = kernel_tests()
         results["parity"] = tiny_parity()
-    results["w2"] = run_w2(args.quick, args.max_num_batched_tokens, args.passes)
+    results["w2"] = run_w2(args.quick, args.max_num_batched_tokens, args.passes,
+                          args.gpu_memory_utilization)
     if args.vllm_json and os.path.exists(args.vllm_json):
         with open(args.vllm_json) as f:
             results["vllm"] = json.load(f)

@@ -306,6 +306,19 @@ def kv_bytes_per_block(shape: RankShape, kv_dtype_bytes: int, block_size: int) -
     return kv_bytes_per_token(shape, kv_dtype_bytes) * block_size
 
 
+# The sampler filters and draws this many logits at a time (kvserve/worker/sampler.py), so that its sort's
+# temporaries stay bounded whatever the batch and the vocabulary.
+SAMPLER_BLOCK_ELEMENTS = 1 << 24
+
+
+def sampler_peak_bytes(num_seqs: int, vocab_size: int, dtype_bytes: int) -> int:
+    """The sampler's worst case: the logits in the model dtype and in float32, then the float32 logits and raw
+    logprobs over the whole batch with one block of rows sorted (values, int64 indices, probabilities, their sum)."""
+    logits = num_seqs * vocab_size
+    block = min(num_seqs, max(1, SAMPLER_BLOCK_ELEMENTS // vocab_size)) * vocab_size
+    return max(logits * (dtype_bytes + 4), logits * 8 + block * 20)
+
+
 def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
     """An estimate of the activations the engine's profile run measures (its scratch KV cache left out, as the
     engine leaves it out): the largest layer's live tensors (residual, normed input, merged gate/up, activated
@@ -316,8 +329,7 @@ def activation_peak_bytes(shape: RankShape, num_tokens: int, num_seqs: int, dtyp
     # A MoE layer holds, per (token, expert) pair, its gate_up, activated and down rows.
     moe = shape.num_experts_per_tok * (3 * shape.moe_intermediate_size + h) if shape.moe_layers else 0
     layer = num_tokens * (2 * h + max(3 * i, qkv + shape.num_heads * shape.head_dim + h, moe)) * dtype_bytes
-    # logits in the model dtype, in fp32, then probabilities, sorted values and int64 indices
-    sampler = num_seqs * shape.vocab_size * (dtype_bytes + 4 * 3 + 8) if shape.has_lm_head else 0
+    sampler = sampler_peak_bytes(num_seqs, shape.vocab_size, dtype_bytes) if shape.has_lm_head else 0
     return max(layer, sampler + num_tokens * h * dtype_bytes)
 
 

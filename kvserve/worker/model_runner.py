@@ -237,13 +237,16 @@ class ModelRunner:
             del scratch, scratch_tensors, hidden
             return scratch_bytes
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        # Sampling with every filter on is the sampler's worst case for memory (sorts over the vocab).
+        # Sampling with every filter on and logprobs is the sampler's worst case for memory (sorts over the
+        # vocab, and the raw logprobs stay alive beside them).
+        max_logprobs = self.config.args.max_logprobs
         meta_s = SamplingMetadata(
             temperature=torch.ones(num_seqs, device=self.device),
             top_k=torch.full((num_seqs,), 50, device=self.device),
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.05, device=self.device),
             generators={}, all_greedy=False,
+            max_num_logprobs=min(logits.shape[-1], max_logprobs if max_logprobs >= 0 else logits.shape[-1]),
         )
         sample(logits, meta_s)
         del scratch, scratch_tensors, hidden, logits

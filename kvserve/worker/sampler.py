@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sizing.memory_plan import SAMPLER_BLOCK_ELEMENTS
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -64,31 +66,54 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return logits
 
 
+# Filters and draws go a block of rows at a time: sorting [rows, V] float32 holds its values, int64 indices,
+# probabilities and their running sum at once, which over hundreds of rows of a large vocabulary (Gemma's 262k)
+# was the largest set of tensors in a step, and start-up sizing takes a step's peak from the KV cache.
+
+
+def _row_blocks(num_rows: int, vocab: int) -> list[slice]:
+    """Consecutive row slices of at most SAMPLER_BLOCK_ELEMENTS values each (one row at least)."""
+    step = max(1, SAMPLER_BLOCK_ELEMENTS // max(vocab, 1))
+    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens less likely than min_p times the most likely one."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    """Drop tokens less likely than min_p times the most likely one (in place on logits)."""
+    for rows in _row_blocks(*logits.shape):
+        x = logits[rows]
+        probs = x.softmax(dim=-1)
+        threshold = min_p[rows, None] * probs.amax(dim=-1, keepdim=True)
+        x.masked_fill_(probs < threshold, float("-inf"))
+    return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) everything below each row's k-th largest logit and outside its top-p nucleus."""
+    """Mask (to -inf, in place on logits) everything below each row's k-th largest logit and outside its top-p
+    nucleus."""
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
+    for rows in _row_blocks(*logits.shape):
+        _top_k_top_p_rows(logits[rows], None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+    return logits
+
+
+def _top_k_top_p_rows(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    sorted_logits, sorted_idx = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).long()
         kth = sorted_logits.gather(1, (k - 1)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with the k-th stay
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))  # ties with the k-th stay
     if top_p is not None:
         probs = sorted_logits.softmax(-1)
         # Keep a token while the mass strictly before it is below top_p (the top token always stays);
         # top_p = 1 keeps everything even where float cumsum reaches 1 early.
-        mass_before = probs.cumsum(-1) - probs
+        mass_before = probs.cumsum(-1).sub_(probs)
+        del probs
         drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+        del mass_before
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    x.scatter_(-1, sorted_idx, sorted_logits)
 
 
 def apply_logit_edits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -117,30 +142,38 @@ def gather_logprobs(logprobs: torch.Tensor, num: int, token_ids: torch.Tensor):
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draws a token per row of probs [B, V] (overwritten)."""
     # argmax(p / q) with q ~ Exp(1) draws from p; each seeded row draws q from its own generator,
     # so its tokens do not depend on the rest of the batch.
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.exponential_()
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return probs.div_(q).argmax(dim=-1)
+    sampled = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for rows in _row_blocks(*probs.shape):
+        q = torch.empty_like(probs[rows])
+        seeded = [(row - rows.start, gen) for row, gen in generators.items() if rows.start <= row < rows.stop]
+        if len(seeded) != q.shape[0]:
+            q.exponential_()
+        for row, gen in seeded:
+            q[row].exponential_(generator=gen)
+        sampled[rows] = probs[rows].div_(q).argmax(dim=-1)
+    return sampled
 
 
 def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B, V] float32 (edited in place) -> (greedy ids [B], the distribution each row samples from
-    [B, V], or None when every row is greedy). The one place where the sampling parameters shape the
-    distribution: the plain sampler draws from it, speculative decoding verifies drafts against it."""
+    """logits [B, V] float32 (overwritten) -> (greedy ids [B], the distribution each row samples from
+    [B, V] in logits' own memory, or None when every row is greedy). The one place where the sampling
+    parameters shape the distribution: the plain sampler draws from it, speculative decoding verifies drafts
+    against it."""
     logits = apply_logit_edits(logits, meta)
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
         return greedy, None
     temp = meta.temperature
-    scaled = logits / torch.where(temp < _SAMPLING_EPS, 1.0, temp)[:, None]
+    logits.div_(torch.where(temp < _SAMPLING_EPS, 1.0, temp)[:, None])
     if meta.min_p is not None:
-        scaled = apply_min_p(scaled, meta.min_p)
-    scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-    return greedy, scaled.softmax(dim=-1)
+        apply_min_p(logits, meta.min_p)
+    apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    for rows in _row_blocks(*logits.shape):
+        logits[rows] = logits[rows].softmax(dim=-1)
+    return greedy, logits
 
 
 def is_greedy_row(meta: SamplingMetadata) -> torch.Tensor | None:
@@ -149,7 +182,7 @@ def is_greedy_row(meta: SamplingMetadata) -> torch.Tensor | None:
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] float32 (edited in place) -> SamplerOutput."""
+    """logits [B, V] float32 (overwritten) -> SamplerOutput."""
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
     greedy, probs = processed_probs(logits, meta)
     if probs is None:

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.sampler import apply_logit_edits, apply_min_p, apply_top_k_top_p, gather_logprobs, sample
+from kvserve.worker import sampler
+from kvserve.worker.sampler import (apply_logit_edits, apply_min_p, apply_top_k_top_p, gather_logprobs,
+                                     processed_probs, sample)
 from kvserve.worker.sampling_metadata import build_sampling_metadata
 
 V = 40
@@ -192,6 +194,36 @@ def test_seeded_row_ignores_the_rest_of_the_batch():
 
     alone = draws(1, 0)
     assert draws(7, 3) == alone and draws(16, 15) == alone
+
+
+def test_blocks_of_rows_change_nothing(monkeypatch):
+    """The sampler filters and draws a block of rows at a time (its memory stays bounded); blocks of 3 rows
+    give the distributions and the seeded draws of one block, and draws still follow the filtered
+    distribution."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=i)
+              for i, (t, k, p, m) in enumerate([(0.7, 12, 0.9, 0.02), (1.0, 0, 0.5, 0.0), (0, 0, 1.0, 0.0),
+                                                 (1.3, 3, 1.0, 0.1), (0.5, 0, 0.95, 0.0), (1.0, 30, 0.7, 0.0),
+                                                 (0.9, 5, 0.99, 0.05)])]
+    rows = [_row(sp, rid=str(i)) for i, sp in enumerate(params)]
+    logits = _logits(len(rows), seed=21)
+
+    def run(block_rows: int):
+        monkeypatch.setattr(sampler, "SAMPLER_BLOCK_ELEMENTS", block_rows * V)
+        _, probs = processed_probs(logits.clone(), _meta(rows))
+        gens = {r.request_id: torch.Generator().manual_seed(7 + i) for i, r in enumerate(rows)}
+        return probs, sample(logits.clone(), _meta(rows, gens)).sampled
+
+    one_probs, one_tokens = run(len(rows))
+    probs, tokens = run(3)
+    assert torch.equal(probs, one_probs) and torch.equal(tokens, one_tokens)
+    assert sampler._row_blocks(len(rows), V) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+
+    n = 6000
+    base = logits[0]
+    torch.manual_seed(0)
+    drawn = sample(base.expand(n, V).clone(), _meta([_row(params[0], rid=str(i)) for i in range(n)])).sampled
+    freq = torch.bincount(drawn, minlength=V).float() / n
+    assert torch.allclose(freq, one_probs[0], atol=0.025), (freq, one_probs[0])
 
 
 def test_gather_logprobs_matches_log_softmax():
