@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.model.layers import _copy_into, as_tensor
+from kvserve.model.layers import as_tensor, copy_into
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -42,7 +42,7 @@ class CohereLayerNorm(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 2:  # this rank's heads
             loaded = as_tensor(loaded).narrow(0, self.first_row, param.shape[0])
-        _copy_into(param.data, loaded, "weight")
+        copy_into(param.data, loaded, "weight")
 
 
 class NoRotary(nn.Module):

@@ -27,7 +27,7 @@ def as_tensor(loaded) -> torch.Tensor:
 _SERVING_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _copy_into(target: torch.Tensor, loaded, what: str) -> None:
+def copy_into(target: torch.Tensor, loaded, what: str) -> None:
     if tuple(target.shape) != tuple(loaded.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not match parameter {tuple(target.shape)}")
     loaded = as_tensor(loaded)
@@ -83,7 +83,7 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        _copy_into(param.data, loaded, "weight")
+        copy_into(param.data, loaded, "weight")
 
 
 class ReplicatedLinear(LinearBase):
@@ -111,7 +111,7 @@ class ColumnParallelLinear(LinearBase):
         if dim is not None:
             size = param.shape[dim]
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
-        _copy_into(param.data, loaded, "weight")
+        copy_into(param.data, loaded, "weight")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,11 +136,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return self._load_shared_rows(param, loaded, shard_id)
         if dim is None:  # a per-tensor scale of one part: it goes to that part's slot
             target = param.data[shard_id] if param.data.numel() > 1 else param.data
-            _copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")
+            copy_into(target, as_tensor(loaded).reshape(target.shape), f"shard {shard_id}")
             return
         offset, size, start = (_packed(param, dim, n) for n in self._shard(shard_id))
         loaded = loaded.narrow(dim, start, size)
-        _copy_into(param.data.narrow(dim, offset, size), loaded, f"shard {shard_id}")
+        copy_into(param.data.narrow(dim, offset, size), loaded, f"shard {shard_id}")
 
 
     @staticmethod
@@ -149,7 +149,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         row order (GPTQ act-order g_idx). Parts quantized with different orders cannot be fused."""
         first = getattr(param, "filled_by_shard", None)
         if first is None:
-            _copy_into(param.data, loaded, f"shard {shard_id}")
+            copy_into(param.data, loaded, f"shard {shard_id}")
             param.filled_by_shard = shard_id
             return
         loaded = as_tensor(loaded)
@@ -233,7 +233,7 @@ class RowParallelLinear(LinearBase):
         if dim is not None:
             size = param.shape[dim]
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
-        _copy_into(param.data, loaded, "weight")
+        copy_into(param.data, loaded, "weight")
 
 
 # Names the model code used before tensor parallelism.
@@ -272,7 +272,7 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_parallel_all_reduce(out)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _copy_into(param.data, loaded.narrow(0, self.vocab_start, self.shard_size), "embedding")
+        copy_into(param.data, loaded.narrow(0, self.vocab_start, self.shard_size), "embedding")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -326,7 +326,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _copy_into(param.data, loaded, "weight")
+        copy_into(param.data, loaded, "weight")
 
     def kernel_weight(self) -> torch.Tensor:
         """What the fused kernels multiply the normed row by."""
@@ -394,7 +394,7 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight.float() * (xf * torch.rsqrt(mean_sq + self.eps))).to(x.dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _copy_into(param.data, loaded.narrow(0, self.shard_index * self.local_dim, self.local_dim), "weight")
+        copy_into(param.data, loaded.narrow(0, self.shard_index * self.local_dim, self.local_dim), "weight")
 
 
 def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:

@@ -102,10 +102,10 @@ class Attention(nn.Module):
 
     def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """This rank's heads of the checkpoint's [num_attention_heads] sinks."""
-        from kvserve.model.layers import _copy_into
+        from kvserve.model.layers import copy_into
 
         rank = get_parallel_state().tp_rank
-        _copy_into(param.data, loaded.narrow(0, rank * self.num_heads, self.num_heads), "sinks")
+        copy_into(param.data, loaded.narrow(0, rank * self.num_heads, self.num_heads), "sinks")
 
     # vLLM's rule: max |k| maps to 200 and max |v| to 100 (e4m3's largest value is 448), once.
     K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0

@@ -15,6 +15,12 @@ from kvserve.ops.attention_backend import AttentionBackend
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors' dtype names (the header's "dtype" field).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
@@ -45,6 +51,14 @@ class CheckpointSlice:
 
     def reshape(self, *shape) -> torch.Tensor:
         return self.load().reshape(*shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored dtype, from the file's header (nothing is read)."""
+        name = self._lazy.get_dtype()
+        if name not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.where} has dtype {name}, which kvserve does not read.")
+        return _SAFETENSORS_DTYPES[name]
 
     def load(self) -> torch.Tensor:
         from safetensors import SafetensorError

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_parallel_state, tensor_parallel_all_reduce
-from kvserve.model.layers import ReplicatedLinear, _copy_into, as_tensor, use_fused_kernels
+from kvserve.model.layers import ReplicatedLinear, as_tensor, copy_into, use_fused_kernels
 from kvserve.model.model_config import ModelConfig
 from kvserve.ops.fused_moe import SILU, ExpertActivation
 
@@ -168,18 +168,18 @@ class FusedMoE(nn.Module):
             self._load_scale(param, as_tensor(loaded).float(), shard, local, expert)
             return True
         if param is self.w2_bias:  # [H]: summed over the ranks' partial outputs, so added on one rank only
-            _copy_into(param.data[local], loaded if self.tp_rank == 0 else torch.zeros(loaded.shape),
+            copy_into(param.data[local], loaded if self.tp_rank == 0 else torch.zeros(loaded.shape),
                        f"expert {expert} down bias")
             return True
         if param is self.w13_bias:  # [I]: this rank's features of the gate or the up half
             target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
-            _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard} bias")
+            copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard} bias")
             return True
         if shard == "down":  # [H, I]: this rank's columns
-            _copy_into(param.data[local], loaded.narrow(1, self.tp_rank * size, size), f"expert {expert} {shard}")
+            copy_into(param.data[local], loaded.narrow(1, self.tp_rank * size, size), f"expert {expert} {shard}")
         else:  # [I, H]: this rank's rows, into the gate or the up half
             target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
-            _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
+            copy_into(target, loaded.narrow(0, self.tp_rank * size, size), f"expert {expert} {shard}")
         return True
 
     def packed_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int,
@@ -193,10 +193,10 @@ class FusedMoE(nn.Module):
         size, what = self.intermediate, f"expert {expert} {shard}"
         if shard == "down":
             columns = size // inputs_per_column
-            _copy_into(param.data[local], loaded.narrow(1, self.tp_rank * columns, columns), what)
+            copy_into(param.data[local], loaded.narrow(1, self.tp_rank * columns, columns), what)
         else:
             target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
-            _copy_into(target, loaded.narrow(0, self.tp_rank * size, size), what)
+            copy_into(target, loaded.narrow(0, self.tp_rank * size, size), what)
         return True
 
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, local: int, expert: int) -> None:
@@ -217,7 +217,7 @@ class FusedMoE(nn.Module):
         if rows.numel() == 1:
             target.fill_(rows.item())
         else:
-            _copy_into(target, rows, what)
+            copy_into(target, rows, what)
 
 
 class SparseMoeBlock(nn.Module):

@@ -45,7 +45,8 @@ def dequantize_groups_triton(weight: torch.Tensor, scale: torch.Tensor, scale_ro
 
 def dequantize_groups(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor, group_k: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """The torch reference of dequantize_groups_triton."""
+    """The torch reference of dequantize_groups_triton; also for stacked weights [..., N, K] with scales
+    [..., R, ceil(K / group_k)]."""
     k = weight.shape[-1]
-    rows = scale.float().index_select(0, scale_row.long())
+    rows = scale.float().index_select(-2, scale_row.long())
     return (weight.float() * rows.repeat_interleave(group_k, dim=-1)[..., :k]).to(dtype)

@@ -44,11 +44,13 @@ class QuantizationConfig:
 
     def skipped(self, prefix: str, skip_list: list[str]) -> bool:
         # Checkpoints name q_proj/k_proj/...; our merged layers are qkv_proj/gate_up_proj.
-        names = _checkpoint_names(prefix)
+        names = checkpoint_names(prefix)
         return any(s and any(n == s or n.endswith("." + s) or s in n.split(".") for n in names) for s in skip_list)
 
 
-def _checkpoint_names(prefix: str) -> list[str]:
+def checkpoint_names(prefix: str) -> list[str]:
+    """The names a checkpoint may give the layer built at `prefix`: a merged layer (qkv, gate_up) is stored as
+    its parts; each with and without the leading `model.`."""
     prefix = prefix.removeprefix("model.")
     for merged, parts in ((".qkv_proj", ("q_proj", "k_proj", "v_proj")), (".gate_up_proj", ("gate_proj", "up_proj"))):
         if prefix.endswith(merged):

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.layers import _copy_into, as_tensor, use_fused_kernels
+from kvserve.model.layers import as_tensor, copy_into, use_fused_kernels
 from kvserve.model.linear_method import LinearMethodBase
-from kvserve.model.quantization.base import QuantizationConfig, _checkpoint_names, new_param
+from kvserve.model.quantization.base import QuantizationConfig, checkpoint_names, new_param
 from kvserve.sizing.memory_plan import BLOCK_FP8_SCALE_SUFFIX as SCALE_SUFFIX
 from kvserve.sizing.memory_plan import block_fp8_dequantized_at_load, block_fp8_weights, checkpoint_tensors
 
@@ -53,7 +53,7 @@ class Fp8BlockConfig(QuantizationConfig):
     def get_quant_method(self, prefix):
         if self.skipped(prefix, self.ignored_layers) or block_fp8_dequantized_at_load(prefix):
             return None
-        self.layer_weight_names.update(f"{name}.weight" for name in _checkpoint_names(prefix))
+        self.layer_weight_names.update(f"{name}.weight" for name in checkpoint_names(prefix))
         return Fp8BlockLinearMethod(self.block)
 
     def get_moe_method(self, prefix):
@@ -81,13 +81,12 @@ class Fp8BlockConfig(QuantizationConfig):
         """A layer built for FP8 whose checkpoint weight is a float one (left unquantized by the tool that wrote
         it): quantized here block by block, so every layer of the model has one layout."""
         for name, tensor in weights:
-            if self._served_as_stored(name):
-                w = as_tensor(tensor)
-                if w.dtype != torch.float8_e4m3fn:
-                    q, scale_inv = quantize_block(w.to(device), self.block)
-                    yield name, q
-                    yield name + SCALE_SUFFIX, scale_inv
-                    continue
+            # The dtype comes from the header: a weight served as stored stays lazy (a TP rank reads its slice).
+            if self._served_as_stored(name) and tensor.dtype != torch.float8_e4m3fn:
+                q, scale_inv = quantize_block(as_tensor(tensor).to(device), self.block)
+                yield name, q
+                yield name + SCALE_SUFFIX, scale_inv
+                continue
             yield name, tensor
 
 
@@ -184,7 +183,7 @@ def _load_scale(param, loaded, part: tuple[int, int, int], k_block_start: int) -
         raise ValueError(f"weight_scale_inv of shape {tuple(loaded.shape)} is too small for this rank's blocks "
                          f"(rows {first}..{first + count}, columns {k_block_start}..{k_block_start + param.shape[1]})")
     loaded = loaded[first:first + count, k_block_start:k_block_start + param.shape[1]]
-    _copy_into(param.data[scale_offset:scale_offset + count], loaded.float(), "weight_scale_inv")
+    copy_into(param.data[scale_offset:scale_offset + count], loaded.float(), "weight_scale_inv")
 
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
@@ -196,8 +195,9 @@ def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int,
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not match a weight of shape "
                          f"{tuple(q.shape)} in blocks of {bn} x {bk} (expected {want})")
-    scale = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (q.float() * scale).to(dtype)
+    from kvserve.ops.fp8_group_dequant import dequantize_groups
+
+    return dequantize_groups(q, scale_inv, torch.arange(n, device=q.device) // bn, bk, dtype)
 
 
 def dequantized_weights(weights: Iterable, quantized: set[str], block: tuple[int, int], dtype: torch.dtype,
