@@ -9,8 +9,8 @@ tokens; a global layer and a 1,024-token windowed one) over the wide-head config
 writes DIR/decode_attention_gemma.json with the fastest variant as TritonAttentionBackend attributes (the form
 benchmarks/gpu_w2_gemma.py --attention-overrides reads).
 
-`--variants '[{"WIDE_HEAD_SPLIT_CONFIG": [16, 64, 4, 3]}, ...]'`: time the defaults against these TritonAttentionBackend attribute sets
-only, instead of the built-in grid (either mode).
+`--variants '[{"WIDE_HEAD_SPLIT_CONFIG": [16, 64, 4, 3]}, ...]'`: time the defaults against these
+TritonAttentionBackend attribute sets only, instead of the built-in grid (either mode).
 """
 
 from __future__ import annotations
