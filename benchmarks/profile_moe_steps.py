@@ -51,10 +51,6 @@ def kind_of(name: str) -> str:
 
 def profile_decode(engine, prompts, params) -> dict:
     """engine: an LLMEngine of either project (add_request, step, has_unfinished_requests)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: a smoke run of the flow
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", {"prompt_token_ids": p}, params)
     started: set[str] = set()
@@ -62,26 +58,37 @@ def profile_decode(engine, prompts, params) -> dict:
         started |= {o.request_id for o in engine.step() if o.outputs and len(o.outputs[0].token_ids)}
     for _ in range(WARM_STEPS):
         engine.step()
+    result = profile_steps(engine, PROFILED_STEPS)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"requests": len(prompts), **result}
+
+
+def profile_steps(engine, num_steps: int) -> dict:
+    """The engine's next num_steps steps under torch.profiler: wall and GPU-busy milliseconds per step, GPU
+    milliseconds per step by kind of kernel (kind_of) and the top kernels with their launches per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: a smoke run of the flow
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        for _ in range(PROFILED_STEPS):
+        for _ in range(num_steps):
             engine.step()
         sync()
-        wall = (time.perf_counter() - t) / PROFILED_STEPS
-    while engine.has_unfinished_requests():
-        engine.step()
+        wall = (time.perf_counter() - t) / num_steps
     cuda = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_kind: dict[str, float] = {}
     for e in cuda:
         kind = kind_of(e.key)
-        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / PROFILED_STEPS
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / num_steps
     top = sorted(cuda, key=lambda e: -e.self_device_time_total)[:25]
-    return {"requests": len(prompts), "profiled_steps": PROFILED_STEPS, "wall_ms_per_step": round(wall * 1e3, 3),
+    return {"profiled_steps": num_steps, "wall_ms_per_step": round(wall * 1e3, 3),
             "gpu_ms_per_step": round(sum(by_kind.values()), 3),
             "gpu_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": e.key[:120], "ms_per_step": round(e.self_device_time_total / 1e3 / PROFILED_STEPS, 3),
-                             "launches_per_step": round(e.count / PROFILED_STEPS, 1)} for e in top]}
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": round(e.self_device_time_total / 1e3 / num_steps, 3),
+                             "launches_per_step": round(e.count / num_steps, 1)} for e in top]}
 
 
 def run_vllm(args, prompts) -> dict:
@@ -116,6 +123,11 @@ def print_table(out_dir: str) -> None:
         if os.path.exists(path):
             with open(path) as f:
                 runs[engine] = json.load(f)
+    print_kinds(runs, "GPU ms per decode step")
+
+
+def print_kinds(runs: dict[str, dict], title: str) -> None:
+    """Each run's top kernels, then their GPU milliseconds by kind side by side (kvserve - vLLM with both)."""
     for engine, r in runs.items():
         print(f"\n{engine}: top kernels, GPU ms per step (launches per step)")
         for k in r["top_kernels"][:12]:
@@ -123,7 +135,7 @@ def print_table(out_dir: str) -> None:
     kinds = sorted({k for r in runs.values() for k in r["gpu_ms_by_kind"]},
                    key=lambda k: -max(r["gpu_ms_by_kind"].get(k, 0.0) for r in runs.values()))
     names = list(runs)
-    print("\n| GPU ms per decode step | " + " | ".join(names) + (" | kvserve - vLLM |" if len(runs) == 2 else " |"))
+    print(f"\n| {title} | " + " | ".join(names) + (" | kvserve - vLLM |" if len(runs) == 2 else " |"))
     print("|---" * (len(names) + 1 + (len(runs) == 2)) + "|")
     rows = [(k, [runs[n]["gpu_ms_by_kind"].get(k, 0.0) for n in names]) for k in kinds]
     rows += [("all kernels (GPU busy)", [runs[n]["gpu_ms_per_step"] for n in names]),
