@@ -69,8 +69,6 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 # Filters and draws go a block of rows at a time: sorting [rows, V] float32 holds its values, int64 indices,
 # probabilities and their running sum at once, which over hundreds of rows of a large vocabulary (Gemma's 262k)
 # was the largest set of tensors in a step, and start-up sizing takes a step's peak from the KV cache.
-
-
 def _row_blocks(num_rows: int, vocab: int) -> list[slice]:
     """Consecutive row slices of at most SAMPLER_BLOCK_ELEMENTS values each (one row at least)."""
     step = max(1, SAMPLER_BLOCK_ELEMENTS // max(vocab, 1))
