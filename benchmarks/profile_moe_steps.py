@@ -117,13 +117,18 @@ def run_kvserve(args, prompts) -> dict:
 
 
 def print_table(out_dir: str) -> None:
+    print_kinds(load_runs(out_dir, "moe_steps"), "GPU ms per decode step")
+
+
+def load_runs(out_dir: str, prefix: str) -> dict[str, dict]:
+    """{engine: its run's JSON} of the runs written to out_dir as <prefix>_<engine>.json, kvserve first."""
     runs = {}
     for engine in ("kvserve", "vllm"):
-        path = os.path.join(out_dir, f"moe_steps_{engine}.json")
+        path = os.path.join(out_dir, f"{prefix}_{engine}.json")
         if os.path.exists(path):
             with open(path) as f:
                 runs[engine] = json.load(f)
-    print_kinds(runs, "GPU ms per decode step")
+    return runs
 
 
 def print_kinds(runs: dict[str, dict], title: str) -> None:

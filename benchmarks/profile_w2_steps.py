@@ -93,14 +93,9 @@ def run_kvserve(requests, max_num_batched_tokens: int) -> dict:
 
 
 def print_tables(out_dir: str) -> None:
-    from benchmarks.profile_moe_steps import print_kinds
+    from benchmarks.profile_moe_steps import load_runs, print_kinds
 
-    runs = {}
-    for engine in ("kvserve", "vllm"):
-        path = os.path.join(out_dir, f"w2_steps_{engine}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                runs[engine] = json.load(f)
+    runs = load_runs(out_dir, "w2_steps")
     for window in WINDOWS:
         print_kinds({engine: run[window] for engine, run in runs.items()}, f"GPU ms per W2 {window} step")
 
