@@ -59,6 +59,7 @@ def profile_w2(engine, requests: list[tuple[list[int], int]], make_params) -> di
 def run_vllm(requests) -> dict:
     import vllm_bench  # the bundle's script: its environment
 
+    from benchmarks.vllm_w2_gemma import MODEL_DIR as model_dir
     from kvserve.bench.datasets import W2_CONFIG, W2_MAX_MODEL_LEN
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the profiler is
@@ -66,7 +67,6 @@ def run_vllm(requests) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    model_dir = "/tmp/gemma3_12b_text"
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(W2_CONFIG, f)

@@ -22,7 +22,8 @@ from kvserve.bench.datasets import W2_CONFIG, W2_MAX_MODEL_LEN  # noqa: E402
 
 SHAPE = "gemma3-12b-text"
 vllm_bench.SHAPES[SHAPE] = W2_CONFIG
-vllm_bench.MODEL_DIR = "/tmp/gemma3_12b_text"
+MODEL_DIR = "/tmp/gemma3_12b_text"  # the dummy model's config, written by the bundle script
+vllm_bench.MODEL_DIR = MODEL_DIR
 assert vllm_bench.WORKLOADS["w2"][1] == W2_MAX_MODEL_LEN
 
 if __name__ == "__main__":

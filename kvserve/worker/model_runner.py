@@ -246,7 +246,7 @@ class ModelRunner:
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.05, device=self.device),
             generators={}, all_greedy=False,
-            max_num_logprobs=min(logits.shape[-1], max_logprobs if max_logprobs >= 0 else logits.shape[-1]),
+            max_num_logprobs=max_logprobs if max_logprobs >= 0 else logits.shape[-1],  # sample() caps it at V
         )
         sample(logits, meta_s)
         del scratch, scratch_tensors, hidden, logits
