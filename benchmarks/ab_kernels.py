@@ -1,6 +1,6 @@
 """Old against new kernels on the GPU, each checked against the other before it is timed; a table last.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only int4,fp8,fp8-fusion,prefill]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/ab_kernels.py [--only int4,fp8,fp8-fusion,prefill,prefill-w2]
         [--sweep] [--out DIR] [--prefill-shapes gemma,llama] [--prefill-configs JSON]
         [--vllm-fa]
 
@@ -14,6 +14,10 @@
   backend picks now within bf16 rounding. Prints TFLOP/s (causal: half the QK^T and PV products; windowed:
   the keys each query sees).
 
+* prefill-w2: Gemma-3-12B's attention (a global layer, a local one) in W2's real prefill steps: a 16,384-token
+  chunk of two or three prompts beside the decodes of the prompts already done (w2_steps). The backend as it is,
+  with its long-prefill steps' decodes in the unified kernel instead (MIXED_STEP_DECODE_KERNEL off), and with
+  `--vllm-fa` vLLM's FlashAttention 3 on the same cache; then the sum over a step's 8 global and 40 local layers.
 * int4: AWQ-int4 layers (group 128, bf16) of Llama-3.1-8B's four linear shapes at M = 1 .. 256 rows: the
   old path (split-K skinny kernel up to 16 rows, dequantize + cuBLAS above) against the tensor-core GEMM
   (kvserve/ops/triton_int_mma.py), and which one int_matmul.INT_PATHS (printed) selects at each M.
@@ -87,25 +91,66 @@ def fp8_fusion(rows_out: list) -> None:
 def _prefill_batch(ctx: int, q_len: int, block_size: int = 16, heads: tuple[int, int, int] = (32, 8, 128)):
     """One request: q_len new tokens after ctx cached ones, bf16, paged; heads: (query heads, KV heads,
     head_dim), Llama-3.1-8B's by default."""
+    return _paged_batch([(ctx, q_len)], block_size, heads)
+
+
+def _paged_batch(requests: list[tuple[int, int]], block_size: int = 16, heads: tuple[int, int, int] = (32, 8, 128)):
+    """requests: (cached tokens, new tokens) each, in the batch's order; their blocks shuffled over one cache."""
     from kvserve.ops.attention_metadata import AttentionMetadata
 
     h, hkv, d = heads
-    seq = ctx + q_len
-    nb = -(-seq // block_size)
-    g = torch.Generator(device="cuda").manual_seed(seq)
-    table = torch.randperm(nb + 8, device="cuda", generator=g)[:nb].to(torch.int32)[None]
-    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
-    seq_t = torch.tensor([seq], dtype=torch.int32, device="cuda")
-    slots = (table[0, torch.arange(ctx, seq, device="cuda") // block_size].long() * block_size
-             + torch.arange(ctx, seq, device="cuda") % block_size)
-    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_t, block_tables=table,
-                             max_query_len=q_len, max_seq_len=seq, num_actual_tokens=q_len, block_size=block_size,
-                             query_start_loc_cpu=qsl.cpu(), seq_lens_cpu=seq_t.cpu())
-    q = torch.randn(q_len, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(q_len, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(q_len, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    cache = torch.randn(2, nb + 8, block_size, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    seqs = [ctx + q_len for ctx, q_len in requests]
+    nbs = [-(-seq // block_size) for seq in seqs]
+    g = torch.Generator(device="cuda").manual_seed(sum(seqs))
+    total_blocks = sum(nbs) + 8
+    perm = torch.randperm(total_blocks, device="cuda", generator=g).to(torch.int32)
+    table = torch.zeros(len(requests), max(nbs), dtype=torch.int32, device="cuda")
+    slots, used = [], 0
+    for i, ((ctx, _), seq, nb) in enumerate(zip(requests, seqs, nbs)):
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+        pos = torch.arange(ctx, seq, device="cuda")
+        slots.append(table[i, pos // block_size].long() * block_size + pos % block_size)
+    q_lens = [q_len for _, q_len in requests]
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    seq_t = torch.tensor(seqs, dtype=torch.int32, device="cuda")
+    tokens = sum(q_lens)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_t, block_tables=table,
+                             max_query_len=max(q_lens), max_seq_len=max(seqs), num_actual_tokens=tokens,
+                             block_size=block_size, query_start_loc_cpu=qsl.cpu(), seq_lens_cpu=seq_t.cpu())
+    q = torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache = torch.randn(2, total_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     return q, k, v, cache, meta
+
+
+def w2_steps(steps: list[int], budget: int = 16384) -> dict[int, list[tuple[int, int]]]:
+    """The (cached, new) tokens of each request in W2's steps `steps` (0-based) under chunked prefill: each step
+    the running requests decode one token, then the budget's rest goes to the waiting prompts in order (no
+    request finishes this early: outputs are 128+ tokens)."""
+    from kvserve.bench.datasets import w2_requests
+
+    prompts = [r.prompt_len for r in w2_requests()]
+    done = [0] * len(prompts)  # prompt tokens computed
+    out_tokens = [0] * len(prompts)
+    batches = {}
+    for step in range(max(steps) + 1):
+        batch = [(prompts[i] + out_tokens[i] - 1, 1) for i in range(len(prompts)) if done[i] == prompts[i]]
+        left = budget - len(batch)
+        for i in range(len(prompts)):
+            if done[i] == prompts[i]:
+                out_tokens[i] += 1
+        for i in range(len(prompts)):
+            if left and done[i] < prompts[i]:
+                n = min(left, prompts[i] - done[i])
+                batch.append((done[i], n))
+                done[i] += n
+                left -= n
+                if done[i] == prompts[i]:
+                    out_tokens[i] += 1  # its first token comes from this step
+        batches[step] = batch
+    return {step: batches[step] for step in steps}
 
 
 # (BLOCK_M, TILE_N, num_warps, num_stages) candidates; None: what the backend picks for that query length now
@@ -181,6 +226,50 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
                 print(json.dumps(rows_out[-1]), flush=True)
             del q, k, v, cache, meta
             torch.cuda.empty_cache()
+
+
+GEMMA_HEADS, GEMMA_WINDOW, GEMMA_GLOBAL_LAYERS, GEMMA_LOCAL_LAYERS = (16, 8, 256), 1024, 8, 40
+W2_STEPS = [2, 3, 4, 5, 20, 40]  # the profile's prefill window (benchmarks/profile_w2_steps.py), then later ones
+
+
+def prefill_w2(rows_out: list, vllm_fa: bool = False) -> None:
+    """Gemma-3-12B's attention in W2's real prefill steps (w2_steps: chunks of two or three prompts beside the
+    decodes of the prompts already done), a global and a local layer each: the backend as it is, with
+    MIXED_STEP_DECODE_KERNEL off, and vLLM's FlashAttention 3; then a step's 8 global + 40 local layers."""
+    from kvserve.ops.triton_attention import TritonAttentionBackend
+
+    for step, requests in w2_steps(W2_STEPS).items():
+        q, k, v, cache, meta = _paged_batch(requests, heads=GEMMA_HEADS)
+        scale = GEMMA_HEADS[2] ** -0.5
+        decodes = sum(1 for _, n in requests if n == 1)
+        per_layer = {}
+        for window in (None, GEMMA_WINDOW):
+            one_launch = TritonAttentionBackend()
+            one_launch.MIXED_STEP_DECODE_KERNEL = False
+            runs = [("kvserve", lambda w=window: TritonAttentionBackend().forward(q, k, v, cache, meta, scale,
+                                                                                sliding_window=w)),
+                    ("kvserve, one launch", lambda w=window, b=one_launch: b.forward(q, k, v, cache, meta, scale,
+                                                                                     sliding_window=w))]
+            if vllm_fa:
+                runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
+            reference = None
+            for name, run in runs:
+                out = run().float()
+                reference = out if reference is None else reference
+                err = (out - reference).abs().max().item()
+                us = bench(run)
+                per_layer[(name, window)] = us
+                rows_out.append({"section": "prefill-w2", "case": f"W2 step {step} ({decodes} decodes), "
+                                 f"{'local' if window else 'global'} layer", "config": name, "us": round(us, 1),
+                                 "max_abs_diff_vs_current": round(err, 4)})
+                print(json.dumps(rows_out[-1]), flush=True)
+        for name, _ in runs:
+            step_ms = (GEMMA_GLOBAL_LAYERS * per_layer[(name, None)]
+                       + GEMMA_LOCAL_LAYERS * per_layer[(name, GEMMA_WINDOW)]) / 1e3
+            rows_out.append({"section": "prefill-w2", "case": f"W2 step {step}: 8 global + 40 local layers (ms)",
+                             "config": name, "us": round(step_ms * 1e3, 1)})
+        del q, k, v, cache, meta
+        torch.cuda.empty_cache()
 
 
 # Llama-3.1-8B's linear layers, (K, N).
@@ -401,7 +490,7 @@ def _print_quant_tables(rows: list, section: str, table, measured: dict) -> list
 NEW_KERNEL = {"int4": "mma", "fp8": "gemv"}
 
 
-SECTIONS = {"int4": int4, "fp8": fp8, "fp8-fusion": fp8_fusion, "prefill": prefill}
+SECTIONS = {"int4": int4, "fp8": fp8, "fp8-fusion": fp8_fusion, "prefill": prefill, "prefill-w2": prefill_w2}
 
 
 def main():
@@ -421,6 +510,8 @@ def main():
     for name in args.only.split(","):
         if name in ("int4", "fp8"):
             SECTIONS[name](rows, args.sweep)
+        elif name == "prefill-w2":
+            prefill_w2(rows, args.vllm_fa)
         elif name == "prefill":
             prefill(rows, args.prefill_shapes.split(",") if args.prefill_shapes else None, args.prefill_configs,
                     args.vllm_fa)
@@ -435,6 +526,11 @@ def main():
         if r["section"] == "fp8-fusion":
             print(f"| {r['case']} | {r['before_us']} | {r['now_us']} | {r['now_us'] / r['before_us']:.2f} | "
                   f"{r['same_output']} |")
+    if any(r["section"] == "prefill-w2" for r in rows):
+        print("\n| W2 prefill step, Gemma-3-12B attention | kernel | us | max diff vs the first |\n|---|---|---|---|")
+    for r in rows:
+        if r["section"] == "prefill-w2":
+            print(f"| {r['case']} | {r['config']} | {r['us']} | {r.get('max_abs_diff_vs_current', '')} |")
     if any(r["section"] == "prefill" for r in rows):
         print("\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | max diff vs current |\n"
               "|---|---|---|---|---|")

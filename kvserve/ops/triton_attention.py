@@ -157,7 +157,7 @@ def _unified_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr,
 ):
     # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
     # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
@@ -179,7 +179,10 @@ def _unified_attention_kernel(
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     q_first = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query (within the request) of the tile
-    if q_first >= q_len:  # a surplus tile
+    skip = q_first >= q_len  # a surplus tile
+    if SKIP_SINGLE_QUERIES:  # the decode kernel has attended them
+        skip = skip | (q_len == 1)
+    if skip:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len  # the request's queries sit at positions ctx_len .. seq_len - 1
@@ -259,7 +262,8 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
-    if tl.load(qsl_ptr + req + 1) <= q_start:  # no query token for this request
+    # One query token, or none (padding) or several (a mixed step's prefills: the unified kernel's).
+    if tl.load(qsl_ptr + req + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
 
@@ -329,7 +333,7 @@ def _combine_splits_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)
-    if tl.load(qsl_ptr + req + 1) <= q_start:
+    if tl.load(qsl_ptr + req + 1) - q_start != 1:  # as in _decode_kernel
         return
     s = tl.arange(0, SPLITS_P)
     s_ok = s < NUM_SPLITS
@@ -423,6 +427,9 @@ class TritonAttentionBackend:
     # Measured for wide heads only (W2's Gemma-3 decode: 1.38x on its attention); heads up to 128 keep the rule above.
     LONG_CONTEXT_KEYS_PER_SPLIT: int | None = None
     WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT: int | None = 4096
+    # Steps with a query of at least LONG_PREFILL_MIN_QUERY tokens send their one-token queries to the decode
+    # kernel (its splits by choose_num_splits) and the rest to the unified kernel: two launches instead of one.
+    MIXED_STEP_DECODE_KERNEL = True
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -505,30 +512,23 @@ class TritonAttentionBackend:
         sinks_ptr = sinks if sinks is not None else meta.seq_lens  # unread without sinks
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
 
+        args = (q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, sinks_ptr)
+        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides)
         num_splits = meta.num_kv_splits
         if num_splits is None or meta.max_query_len != 1:
             num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len,
                                                 head_dim)
         if num_splits > 1:
-            block_m, tile_n, warps, stages = self.by_width(head_dim, self.SPLIT_CONFIG, self.WIDE_HEAD_SPLIT_CONFIG)
-            block_m = max(block_m, _next_pow2(g))
-            part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
-                                   device=q.device)
-            part_m = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-            part_l = torch.empty_like(part_m)
-            _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-                out, part_out, part_m, part_l,
-                q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, sinks_ptr,
-                qk_scale, window, soft_cap, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-                NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
-                TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
-            )
-            _combine_splits_kernel[(num_reqs, num_heads)](
-                out, part_out, part_m, part_l, meta.query_start_loc, sinks_ptr, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_P=_next_pow2(num_splits),
-                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HAS_SINKS=sinks is not None, num_warps=4,
-            )
+            self._decode(out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap)
             return out
+
+        # A long prefill step's decodes (one query token each) go to the decode kernel, not to a unified
+        # program of BLOCK_M rows that would hold one token and walk its whole context last (the tiles run in
+        # reverse order). Such steps are never captured in a CUDA graph, so the host's copies can be read.
+        decode_seq_lens = self._mixed_step_decodes(meta)
+        if decode_seq_lens:
+            splits = self.choose_num_splits(len(decode_seq_lens), num_kv_heads, 1, max(decode_seq_lens), head_dim)
+            self._decode(out, args, strides, common, num_reqs, num_heads, g, splits, qk_scale, window, soft_cap)
 
         cfg = self.launch_config(meta.max_query_len, head_dim, q.dtype)
         block_m, tile_n, warps, stages = cfg
@@ -536,10 +536,45 @@ class TritonAttentionBackend:
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
         _unified_attention_kernel[(num_tiles * num_kv_heads,)](
-            out, q, k_cache, v_cache, block_tables, meta.seq_lens, meta.query_start_loc, *scale_ptrs, sinks_ptr,
-            num_reqs, qk_scale, window, soft_cap,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+            out, *args, num_reqs, qk_scale, window, soft_cap, *strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-            num_warps=warps, num_stages=stages, **common,
+            SKIP_SINGLE_QUERIES=bool(decode_seq_lens), num_warps=warps, num_stages=stages, **common,
         )
         return out
+
+    def _mixed_step_decodes(self, meta: AttentionMetadata) -> list[int]:
+        """The context lengths of the one-token queries of a step with a query of at least
+        LONG_PREFILL_MIN_QUERY tokens (empty for other steps, or with MIXED_STEP_DECODE_KERNEL off)."""
+        if (not self.MIXED_STEP_DECODE_KERNEL or meta.max_query_len < self.LONG_PREFILL_MIN_QUERY
+                or meta.query_start_loc_cpu is None or meta.seq_lens_cpu is None):
+            return []
+        if "mixed_step_decodes" not in meta.backend_cache:  # once per step, not per layer
+            qsl = meta.query_start_loc_cpu.tolist()
+            seq_lens = meta.seq_lens_cpu.tolist()
+            meta.backend_cache["mixed_step_decodes"] = [
+                seq_lens[i] for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+        return meta.backend_cache["mixed_step_decodes"]
+
+    def _decode(self, out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap):
+        """The decode kernel (and with splits the combine kernel) over the batch's one-token queries."""
+        head_dim, head_dim_p = common["HEAD_DIM"], common["HEAD_DIM_P"]
+        qsl, sinks_ptr = args[5], args[8]  # the launch arguments' order: see forward
+        block_m, tile_n, warps, stages = self.by_width(head_dim, self.SPLIT_CONFIG, self.WIDE_HEAD_SPLIT_CONFIG)
+        block_m = max(block_m, _next_pow2(g))
+        part_out = part_m = part_l = out  # unwritten with one split
+        if num_splits > 1:
+            part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim_p), dtype=torch.float32,
+                                   device=out.device)
+            part_m = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=out.device)
+            part_l = torch.empty_like(part_m)
+        _decode_kernel[(num_reqs, num_heads // g, num_splits)](
+            out, part_out, part_m, part_l, *args, qk_scale, window, soft_cap, *strides,
+            NUM_HEADS=num_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, NUM_SPLITS=num_splits,
+            TILE_N=tile_n, num_warps=warps, num_stages=stages, **common,
+        )
+        if num_splits > 1:
+            _combine_splits_kernel[(num_reqs, num_heads)](
+                out, part_out, part_m, part_l, qsl, sinks_ptr, strides[2], strides[3],
+                NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_P=_next_pow2(num_splits),
+                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HAS_SINKS=common["HAS_SINKS"], num_warps=4,
+            )

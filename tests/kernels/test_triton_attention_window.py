@@ -100,3 +100,12 @@ def test_gemma_decode_batch_bf16(window, long_context_split):
     assert (splits > 1) == (long_context_split is not None)
     check(ctx, [1] * len(ctx), window, dtype=torch.bfloat16, atol=2e-2, num_heads=16, num_kv_heads=8,
           head_dim=256, block_size=16, seed=22, backend=backend)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_window_long_prefill_step_decodes(num_splits):
+    # A long prefill step's decodes through the decode kernel, with the window (its poisoned blocks unread).
+    backend = ta.TritonAttentionBackend(num_sms=4)
+    backend.LONG_PREFILL_MIN_QUERY = 16
+    backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
+    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8, seed=num_splits)
