@@ -7,13 +7,13 @@ captured in a CUDA graph):
   (all kv heads) into the paged cache; negative slots (CUDA-graph padding) are skipped. An FP8 cache is
   quantized in the same pass (k / k_scale to e4m3).
 * ``_unified_attention_kernel``: mixed batches (prefill chunks with cached context, decodes). One
-  program per (q tile, kv head), on a 1-D grid of ``num_q_tiles * Hkv`` with the kv head fastest and the
-  tiles in reverse order. A q tile is BLOCK_Q consecutive query tokens of one request; the M dimension
-  of ``tl.dot`` packs those tokens times the GQA group of query heads sharing the program's kv head
-  (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i owns tiles
-  ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``; that start index is strictly increasing
-  in i, so a program finds its request by binary search over ``query_start_loc``, and there are at most
-  ``T // BLOCK_Q + B`` tiles (surplus tiles return at once). Each program walks the request's keys in
+  program per (q tile, kv head), on a 1-D grid of ``num_q_tiles * Hkv`` with the kv head fastest, the
+  requests in batch order and each one's tiles in reverse. A q tile is BLOCK_Q consecutive query tokens of
+  one request; the M dimension of ``tl.dot`` packs those tokens times the GQA group of query heads sharing
+  the program's kv head (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i
+  owns tile slots ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``, its last tile first; that start
+  index is strictly increasing in i, so a program finds its request by binary search over
+  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys in
   steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without
   masks, then the masked rest), gathering K/V through the block table key by key (so TILE_N does not
   depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2).
@@ -159,27 +159,31 @@ def _unified_attention_kernel(
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr,
 ):
-    # 1-D grid over (tile, kv head), kv head fastest (programs sharing a request's K/V run together) and
-    # tiles in reverse order: a request's later tiles see the most keys, so the longest programs start first.
+    # 1-D grid over (tile slot, kv head), kv head fastest (programs sharing a request's K/V run together).
+    # Requests in batch order, each one's tiles in reverse: a request's later tiles see the most keys, and a
+    # batch's earlier requests have the longest contexts (decodes, then the chunk of a prompt begun in an
+    # earlier step, then new prompts), so the longest programs start first.
     pid = tl.program_id(0)
     kvh = pid % NUM_KV_HEADS
-    tile = tl.num_programs(0) // NUM_KV_HEADS - 1 - pid // NUM_KV_HEADS
+    slot = pid // NUM_KV_HEADS
 
-    # The request of this tile: the last i with qsl[i] // BLOCK_Q + i <= tile (binary search).
+    # The request of this slot: the last i with qsl[i] // BLOCK_Q + i <= slot (binary search).
     lo = num_reqs * 0
     hi = num_reqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= slot:
             lo = mid
         else:
             hi = mid - 1
     req = lo
 
     q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    q_first = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query (within the request) of the tile
-    skip = q_first >= q_len  # a surplus tile
+    q_end = tl.load(qsl_ptr + req + 1)
+    q_len = q_end - q_start
+    slots_end = q_end // BLOCK_Q + req + 1  # the request's slots: [q_start // BLOCK_Q + req, slots_end)
+    q_first = (slots_end - 1 - slot) * BLOCK_Q  # first query (within the request) of the tile
+    skip = (slot >= slots_end) | (q_first >= q_len)  # past the last request, or a surplus tile
     if SKIP_SINGLE_QUERIES:  # the decode kernel has attended them
         skip = skip | (q_len == 1)
     if skip:
@@ -522,9 +526,9 @@ class TritonAttentionBackend:
             self._decode(out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap)
             return out
 
-        # A long prefill step's decodes (one query token each) go to the decode kernel, not to a unified
-        # program of BLOCK_M rows that would hold one token and walk its whole context last (the tiles run in
-        # reverse order). Such steps are never captured in a CUDA graph, so the host's copies can be read.
+        # A long prefill step's decodes (one query token each) go to the decode kernel, whose splits spread a
+        # long context over programs of few rows, not to a unified program of BLOCK_M rows that would hold one
+        # token. Such steps are never captured in a CUDA graph, so the host's copies can be read.
         decode_seq_lens = self._mixed_step_decodes(meta)
         if decode_seq_lens:
             splits = self.choose_num_splits(len(decode_seq_lens), num_kv_heads, 1, max(decode_seq_lens), head_dim)

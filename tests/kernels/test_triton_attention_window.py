@@ -108,4 +108,5 @@ def test_window_long_prefill_step_decodes(num_splits):
     backend = ta.TritonAttentionBackend(num_sms=4)
     backend.LONG_PREFILL_MIN_QUERY = 16
     backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
-    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8, seed=num_splits)
+    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8,
+          seed=num_splits)
