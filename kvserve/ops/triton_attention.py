@@ -432,7 +432,8 @@ class TritonAttentionBackend:
     LONG_CONTEXT_KEYS_PER_SPLIT: int | None = None
     WIDE_HEAD_LONG_CONTEXT_KEYS_PER_SPLIT: int | None = 4096
     # Steps with a query of at least LONG_PREFILL_MIN_QUERY tokens send their one-token queries to the decode
-    # kernel (its splits by choose_num_splits) and the rest to the unified kernel: two launches instead of one.
+    # kernel (its splits by choose_num_splits) and the rest to the unified kernel, in layers without a window:
+    # two launches instead of one (benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md).
     MIXED_STEP_DECODE_KERNEL = True
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
@@ -529,7 +530,7 @@ class TritonAttentionBackend:
         # A long prefill step's decodes (one query token each) go to the decode kernel, whose splits spread a
         # long context over programs of few rows, not to a unified program of BLOCK_M rows that would hold one
         # token. Such steps are never captured in a CUDA graph, so the host's copies can be read.
-        decode_seq_lens = self._mixed_step_decodes(meta)
+        decode_seq_lens = self._mixed_step_decodes(meta, sliding_window)
         if decode_seq_lens:
             splits = self.choose_num_splits(len(decode_seq_lens), num_kv_heads, 1, max(decode_seq_lens), head_dim)
             self._decode(out, args, strides, common, num_reqs, num_heads, g, splits, qk_scale, window, soft_cap)
@@ -546,10 +547,13 @@ class TritonAttentionBackend:
         )
         return out
 
-    def _mixed_step_decodes(self, meta: AttentionMetadata) -> list[int]:
+    def _mixed_step_decodes(self, meta: AttentionMetadata, sliding_window: int | None) -> list[int]:
         """The context lengths of the one-token queries of a step with a query of at least
-        LONG_PREFILL_MIN_QUERY tokens (empty for other steps, or with MIXED_STEP_DECODE_KERNEL off)."""
-        if (not self.MIXED_STEP_DECODE_KERNEL or meta.max_query_len < self.LONG_PREFILL_MIN_QUERY
+        LONG_PREFILL_MIN_QUERY tokens (empty for other steps, windowed layers, or with MIXED_STEP_DECODE_KERNEL
+        off). In a windowed layer a decode's program walks no more keys than the chunk's: a second launch there
+        costs more than it saves."""
+        if (not self.MIXED_STEP_DECODE_KERNEL or sliding_window is not None
+                or meta.max_query_len < self.LONG_PREFILL_MIN_QUERY
                 or meta.query_start_loc_cpu is None or meta.seq_lens_cpu is None):
             return []
         if "mixed_step_decodes" not in meta.backend_cache:  # once per step, not per layer

@@ -75,20 +75,11 @@ def test_decode_split_kv_heuristic_path():
     check([599, 300], [1, 1], backend, block_size=16, seed=3)
 
 
-class _CountLaunches:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("meta_splits,expect_split", [(3, True), (1, False), (None, False)])
 def test_meta_num_kv_splits_decides(monkeypatch, meta_splits, expect_split):
     # The model runner fixes the split count in the metadata (graph replays and eager steps alike);
     # it overrides the backend's own choice for decode-only batches.
-    spy = _CountLaunches(ta._decode_kernel)
+    spy = paged_batch.CountLaunches(ta._decode_kernel)
     monkeypatch.setattr(ta, "_decode_kernel", spy)
     q, k, v, kv_cache, meta = make_batch([40, 9], [1, 1], seed=14)
     meta.num_kv_splits = meta_splits
@@ -282,7 +273,7 @@ def _mixed_step_backend(num_splits=None):
 def test_long_prefill_step_decodes_by_decode_kernel(monkeypatch, num_splits, mixed_kernel):
     """A long prefill step's one-token queries go to the decode kernel (with or without splits), the rest to the
     unified kernel, which skips them: the same output as one unified launch, the reference's."""
-    spy = _CountLaunches(ta._decode_kernel)
+    spy = paged_batch.CountLaunches(ta._decode_kernel)
     monkeypatch.setattr(ta, "_decode_kernel", spy)
     backend = _mixed_step_backend(num_splits)
     backend.MIXED_STEP_DECODE_KERNEL = mixed_kernel

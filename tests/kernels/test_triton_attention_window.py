@@ -102,11 +102,12 @@ def test_gemma_decode_batch_bf16(window, long_context_split):
           head_dim=256, block_size=16, seed=22, backend=backend)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_window_long_prefill_step_decodes(num_splits):
-    # A long prefill step's decodes through the decode kernel, with the window (its poisoned blocks unread).
+def test_window_long_prefill_step_one_launch(monkeypatch):
+    # A windowed layer keeps a long prefill step's decodes in the unified kernel (their programs walk no more
+    # keys than the chunk's).
+    spy = paged_batch.CountLaunches(ta._decode_kernel)
+    monkeypatch.setattr(ta, "_decode_kernel", spy)
     backend = ta.TritonAttentionBackend(num_sms=4)
     backend.LONG_PREFILL_MIN_QUERY = 16
-    backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
-    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8,
-          seed=num_splits)
+    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8, seed=2)
+    assert spy.launches == 0
