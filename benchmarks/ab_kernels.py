@@ -17,7 +17,9 @@
 * prefill-w2: Gemma-3-12B's attention (a global layer, a local one) in W2's real prefill steps: a 16,384-token
   chunk of two or three prompts beside the decodes of the prompts already done (w2_steps). The backend as it is,
   with its long-prefill steps' decodes in the unified kernel instead (MIXED_STEP_DECODE_KERNEL off), and with
-  `--vllm-fa` vLLM's FlashAttention 3 on the same cache; then the sum over a step's 8 global and 40 local layers.
+  `--vllm-fa` vLLM's FlashAttention 3 on the same cache, with `--prefill-configs` each launch configuration (the
+  JSON list's nulls skipped: the current one is always timed); then the sum over a step's 8 global and 40 local
+  layers.
 * int4: AWQ-int4 layers (group 128, bf16) of Llama-3.1-8B's four linear shapes at M = 1 .. 256 rows: the
   old path (split-K skinny kernel up to 16 rows, dequantize + cuBLAS above) against the tensor-core GEMM
   (kvserve/ops/triton_int_mma.py), and which one int_matmul.INT_PATHS (printed) selects at each M.
@@ -232,38 +234,50 @@ GEMMA_HEADS, GEMMA_WINDOW, GEMMA_GLOBAL_LAYERS, GEMMA_LOCAL_LAYERS = (16, 8, 256
 W2_STEPS = [2, 3, 4, 5, 20, 40]  # the profile's prefill window (benchmarks/profile_w2_steps.py), then later ones
 
 
-def prefill_w2(rows_out: list, vllm_fa: bool = False) -> None:
+def prefill_w2(rows_out: list, vllm_fa: bool = False, configs: list | None = None) -> None:
     """Gemma-3-12B's attention in W2's real prefill steps (w2_steps: chunks of two or three prompts beside the
     decodes of the prompts already done), a global and a local layer each: the backend as it is, with
-    MIXED_STEP_DECODE_KERNEL off, and vLLM's FlashAttention 3; then a step's 8 global + 40 local layers."""
+    MIXED_STEP_DECODE_KERNEL off, with each of `configs` as its long-prefill launch configuration, and vLLM's
+    FlashAttention 3; then a step's 8 global + 40 local layers."""
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
+    def backend(**attrs) -> TritonAttentionBackend:
+        b = TritonAttentionBackend()
+        for name, value in attrs.items():
+            setattr(b, name, value)
+        return b
+
+    variants = [("kvserve", backend()), ("kvserve, one launch", backend(MIXED_STEP_DECODE_KERNEL=False))]
+    variants += [(f"kvserve {tuple(c)}", backend(WIDE_HEAD_LONG_PREFILL_CONFIG=tuple(c))) for c in configs or [] if c]
     for step, requests in w2_steps(W2_STEPS).items():
         q, k, v, cache, meta = _paged_batch(requests, heads=GEMMA_HEADS)
         scale = GEMMA_HEADS[2] ** -0.5
         decodes = sum(1 for _, n in requests if n == 1)
         per_layer = {}
         for window in (None, GEMMA_WINDOW):
-            one_launch = TritonAttentionBackend()
-            one_launch.MIXED_STEP_DECODE_KERNEL = False
-            runs = [("kvserve", lambda w=window: TritonAttentionBackend().forward(q, k, v, cache, meta, scale,
-                                                                                sliding_window=w)),
-                    ("kvserve, one launch", lambda w=window, b=one_launch: b.forward(q, k, v, cache, meta, scale,
-                                                                                     sliding_window=w))]
+            runs = [(name, lambda b=b, w=window: b.forward(q, k, v, cache, meta, scale, sliding_window=w))
+                    for name, b in variants]
             if vllm_fa:
                 runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
             reference = None
+            case = f"W2 step {step} ({decodes} decodes), {'local' if window else 'global'} layer"
             for name, run in runs:
-                out = run().float()
+                try:
+                    out = run().float()
+                except Exception as exc:  # a configuration that does not fit (shared memory): reported, not fatal
+                    rows_out.append({"section": "prefill-w2", "case": case, "config": name,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                    continue
                 reference = out if reference is None else reference
                 err = (out - reference).abs().max().item()
                 us = bench(run)
                 per_layer[(name, window)] = us
-                rows_out.append({"section": "prefill-w2", "case": f"W2 step {step} ({decodes} decodes), "
-                                 f"{'local' if window else 'global'} layer", "config": name, "us": round(us, 1),
+                rows_out.append({"section": "prefill-w2", "case": case, "config": name, "us": round(us, 1),
                                  "max_abs_diff_vs_current": round(err, 4)})
                 print(json.dumps(rows_out[-1]), flush=True)
         for name, _ in runs:
+            if (name, None) not in per_layer or (name, GEMMA_WINDOW) not in per_layer:
+                continue
             step_us = (GEMMA_GLOBAL_LAYERS * per_layer[(name, None)]
                        + GEMMA_LOCAL_LAYERS * per_layer[(name, GEMMA_WINDOW)])
             rows_out.append({"section": "prefill-w2", "case": f"W2 step {step}: 8 global + 40 local layers",
@@ -511,7 +525,7 @@ def main():
         if name in ("int4", "fp8"):
             SECTIONS[name](rows, args.sweep)
         elif name == "prefill-w2":
-            prefill_w2(rows, args.vllm_fa)
+            prefill_w2(rows, args.vllm_fa, args.prefill_configs)
         elif name == "prefill":
             prefill(rows, args.prefill_shapes.split(",") if args.prefill_shapes else None, args.prefill_configs,
                     args.vllm_fa)
@@ -530,7 +544,8 @@ def main():
         print("\n| W2 prefill step, Gemma-3-12B attention | kernel | us | max diff vs the first |\n|---|---|---|---|")
     for r in rows:
         if r["section"] == "prefill-w2":
-            print(f"| {r['case']} | {r['config']} | {r['us']} | {r.get('max_abs_diff_vs_current', '')} |")
+            print(f"| {r['case']} | {r['config']} | {r.get('us', 'failed: ' + r.get('error', ''))} | "
+                  f"{r.get('max_abs_diff_vs_current', '')} |")
     if any(r["section"] == "prefill" for r in rows):
         print("\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | max diff vs current |\n"
               "|---|---|---|---|---|")
