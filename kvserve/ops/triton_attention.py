@@ -21,6 +21,9 @@ captured in a CUDA graph):
   few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
   range of the context (the same inner loop) and writes its partial output, running max and sum; the
   combine kernel (grid ``(B, H)``) merges them. ``TritonAttentionBackend.choose_num_splits`` decides.
+  Both kernels attend only requests of exactly one query token, so they also take the decodes of a long
+  prefill step (a query of LONG_PREFILL_MIN_QUERY tokens or more) in a layer without a window; the unified
+  kernel then skips those requests (SKIP_SINGLE_QUERIES) rather than give each a program of BLOCK_M rows.
 
 Per-layer options, each a constexpr switch so a layer without them compiles to the code above:
 
