@@ -13,10 +13,10 @@ captured in a CUDA graph):
   the program's kv head (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i
   owns tile slots ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``, its last tile first; that start
   index is strictly increasing in i, so a program finds its request by binary search over
-  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys in
-  steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without
-  masks, then the masked rest), gathering K/V through the block table key by key (so TILE_N does not
-  depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2).
+  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each
+  program walks the request's keys in steps of TILE_N up to the causal limit of its last query (whole steps
+  that every row sees without masks, then the masked rest), gathering K/V through the block table key by key
+  (so TILE_N does not depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2).
 * ``_decode_kernel`` + ``_combine_splits_kernel``: split-KV (flash-decoding) for decode-only batches with
   few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
   range of the context (the same inner loop) and writes its partial output, running max and sum; the
