@@ -155,6 +155,29 @@ def w2_steps(steps: list[int], budget: int = 16384) -> dict[int, list[tuple[int,
     return {step: batches[step] for step in steps}
 
 
+def _time_runs(rows_out: list, section: str, case: str, runs: list, flops: float | None = None) -> dict[str, float]:
+    """Each (name, run) checked against the first run that works, then timed: a row each, or an error row for
+    a run that fails (a configuration that does not fit in shared memory: reported, not fatal). With flops,
+    the rows also give TFLOP/s. Returns {name: us}."""
+    reference, times = None, {}
+    for name, run in runs:
+        row = {"section": section, "case": case, "config": name}
+        try:
+            out = run().float()
+        except Exception as exc:
+            rows_out.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        reference = out if reference is None else reference
+        row["max_abs_diff_vs_current"] = round((out - reference).abs().max().item(), 4)
+        times[name] = us = bench(run)
+        row["us"] = round(us, 1)
+        if flops:
+            row["tflops"] = round(flops / us / 1e6, 1)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    return times
+
+
 # (BLOCK_M, TILE_N, num_warps, num_stages) candidates; None: what the backend picks for that query length now
 # (launch_config: PREFILL_CONFIG, or (WIDE_HEAD_)LONG_PREFILL_CONFIG from LONG_PREFILL_MIN_QUERY tokens).
 PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2),
@@ -199,7 +222,6 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
             # causal FLOPs: 2 GEMMs x 2 flops x heads x d x (keys each query sees, within the window)
             keys_seen = sum(min(ctx + i + 1, window or ctx + i + 1) for i in range(q_len))
             flops = 4 * h * d * keys_seen
-            reference = None
             case = f"{label}: ctx {ctx} + {q_len}"
             runs = []
             for config in configs or PREFILL_CONFIGS:
@@ -211,21 +233,7 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
                 runs.append((name, lambda b=backend: b.forward(q, k, v, cache, meta, scale, sliding_window=window)))
             if vllm_fa:  # after the first run has written the new keys into the cache
                 runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
-            for name, run in runs:
-                try:
-                    out = run().float()
-                except Exception as exc:  # a configuration that does not fit (shared memory): reported, not fatal
-                    rows_out.append({"section": "prefill", "case": case, "config": name,
-                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                    continue
-                if reference is None:
-                    reference = out
-                err = (out - reference).abs().max().item()
-                us = bench(run)
-                rows_out.append({"section": "prefill", "case": case, "config": name,
-                                 "max_abs_diff_vs_current": round(err, 4), "us": round(us, 1),
-                                 "tflops": round(flops / us / 1e6, 1)})
-                print(json.dumps(rows_out[-1]), flush=True)
+            _time_runs(rows_out, "prefill", case, runs, flops)
             del q, k, v, cache, meta
             torch.cuda.empty_cache()
 
@@ -259,22 +267,9 @@ def prefill_w2(rows_out: list, vllm_fa: bool = False, configs: list | None = Non
                     for name, b in variants]
             if vllm_fa:
                 runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
-            reference = None
             case = f"W2 step {step} ({decodes} decodes), {'local' if window else 'global'} layer"
-            for name, run in runs:
-                try:
-                    out = run().float()
-                except Exception as exc:  # a configuration that does not fit (shared memory): reported, not fatal
-                    rows_out.append({"section": "prefill-w2", "case": case, "config": name,
-                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                    continue
-                reference = out if reference is None else reference
-                err = (out - reference).abs().max().item()
-                us = bench(run)
+            for name, us in _time_runs(rows_out, "prefill-w2", case, runs).items():
                 per_layer[(name, window)] = us
-                rows_out.append({"section": "prefill-w2", "case": case, "config": name, "us": round(us, 1),
-                                 "max_abs_diff_vs_current": round(err, 4)})
-                print(json.dumps(rows_out[-1]), flush=True)
         for name, _ in runs:
             if (name, None) not in per_layer or (name, GEMMA_WINDOW) not in per_layer:
                 continue
@@ -507,6 +502,15 @@ NEW_KERNEL = {"int4": "mma", "fp8": "gemv"}
 SECTIONS = {"int4": int4, "fp8": fp8, "fp8-fusion": fp8_fusion, "prefill": prefill, "prefill-w2": prefill_w2}
 
 
+def _print_table(rows: list, section: str, header: str, format_row) -> None:
+    """The section's rows as a markdown table under `header` (its separator line added), if it has rows."""
+    section_rows = [r for r in rows if r["section"] == section]
+    if section_rows:
+        print(header + "\n|" + "---|" * (header.strip().count("|") - 1))
+        for r in section_rows:
+            print(format_row(r))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(SECTIONS))
@@ -534,27 +538,17 @@ def main():
     with open(os.path.join(args.out, "ab_kernels.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if any(r["section"] == "fp8-fusion" for r in rows):
-        print("| case | before (us) | now (us) | now / before | same output |\n|---|---|---|---|---|")
-    for r in rows:
-        if r["section"] == "fp8-fusion":
-            print(f"| {r['case']} | {r['before_us']} | {r['now_us']} | {r['now_us'] / r['before_us']:.2f} | "
-                  f"{r['same_output']} |")
-    if any(r["section"] == "prefill-w2" for r in rows):
-        print("\n| W2 prefill step, Gemma-3-12B attention | kernel | us | max diff vs the first |\n|---|---|---|---|")
-    for r in rows:
-        if r["section"] == "prefill-w2":
-            print(f"| {r['case']} | {r['config']} | {r.get('us', 'failed: ' + r.get('error', ''))} | "
-                  f"{r.get('max_abs_diff_vs_current', '')} |")
-    if any(r["section"] == "prefill" for r in rows):
-        print("\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | max diff vs current |\n"
-              "|---|---|---|---|---|")
-    for r in rows:
-        if r["section"] == "prefill":
-            if "error" in r:
-                print(f"| {r['case']} | {r['config']} | failed: {r['error']} | | |")
-            else:
-                print(f"| {r['case']} | {r['config']} | {r['us']} | {r['tflops']} | {r['max_abs_diff_vs_current']} |")
+    _print_table(rows, "fp8-fusion", "| case | before (us) | now (us) | now / before | same output |",
+                 lambda r: f"| {r['case']} | {r['before_us']} | {r['now_us']} | {r['now_us'] / r['before_us']:.2f} | "
+                           f"{r['same_output']} |")
+    _print_table(rows, "prefill-w2",
+                 "\n| W2 prefill step, Gemma-3-12B attention | kernel | us | max diff vs the first |",
+                 lambda r: f"| {r['case']} | {r['config']} | {r.get('us', 'failed: ' + r.get('error', ''))} | "
+                           f"{r.get('max_abs_diff_vs_current', '')} |")
+    _print_table(rows, "prefill", "\n| prefill case | config (BLOCK_M, TILE_N, warps, stages) | us | TFLOP/s | "
+                 "max diff vs current |",
+                 lambda r: f"| {r['case']} | {r['config']} | failed: {r['error']} | | |" if "error" in r else
+                 f"| {r['case']} | {r['config']} | {r['us']} | {r['tflops']} | {r['max_abs_diff_vs_current']} |")
     from kvserve.model.quantization.fp8_matmul import FP8_PATHS
     from kvserve.model.quantization.int_matmul import INT_PATHS
 
