@@ -185,12 +185,15 @@ PREFILL_CONFIGS = [None, (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 12
                    (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)]  # the last three for head_dim 256
 
 
+# Gemma-3-12B: (query heads, KV heads, head_dim), its local layers' window, its global and local layers.
+GEMMA_HEADS, GEMMA_WINDOW, GEMMA_GLOBAL_LAYERS, GEMMA_LOCAL_LAYERS = (16, 8, 256), 1024, 8, 40
+
 # (label, (query heads, KV heads, head_dim), sliding window, [(cached tokens, new tokens)]): Llama-3.1-8B (the
 # 8k TTFT and W2 rows), Gemma-3-12B's global and local (1,024-token window) layers (its W2 row).
 PREFILL_SHAPES = [
     ("llama-3.1-8b", (32, 8, 128), None, [(0, 8192), (0, 16384), (6144, 2048)]),
-    ("gemma-3-12b global", (16, 8, 256), None, [(0, 8192), (6144, 2048)]),
-    ("gemma-3-12b local", (16, 8, 256), 1024, [(0, 8192), (6144, 2048)]),
+    ("gemma-3-12b global", GEMMA_HEADS, None, [(0, 8192), (6144, 2048)]),
+    ("gemma-3-12b local", GEMMA_HEADS, GEMMA_WINDOW, [(0, 8192), (6144, 2048)]),
 ]
 
 
@@ -238,7 +241,6 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
             torch.cuda.empty_cache()
 
 
-GEMMA_HEADS, GEMMA_WINDOW, GEMMA_GLOBAL_LAYERS, GEMMA_LOCAL_LAYERS = (16, 8, 256), 1024, 8, 40
 W2_STEPS = [2, 3, 4, 5, 20, 40]  # the profile's prefill window (benchmarks/profile_w2_steps.py), then later ones
 
 

@@ -120,3 +120,15 @@ class CountLaunches:
     def __getitem__(self, grid):
         self.launches += 1
         return self.kernel[grid]
+
+
+def long_prefill_backend(num_splits: int | None = None):
+    """A Triton backend whose long-prefill threshold (16 tokens) these small batches reach; with num_splits, its
+    decode-only batches split that many ways."""
+    from kvserve.ops.triton_attention import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(num_sms=4)
+    backend.LONG_PREFILL_MIN_QUERY = 16
+    if num_splits:
+        backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
+    return backend

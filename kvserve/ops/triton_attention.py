@@ -527,7 +527,8 @@ class TritonAttentionBackend:
             num_splits = self.choose_num_splits(num_reqs, num_kv_heads, meta.max_query_len, meta.max_seq_len,
                                                 head_dim)
         if num_splits > 1:
-            self._decode(out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap)
+            self._decode(out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap,
+                         meta.query_start_loc, sinks_ptr)
             return out
 
         # A long prefill step's decodes (one query token each) go to the decode kernel, whose splits spread a
@@ -536,7 +537,8 @@ class TritonAttentionBackend:
         decode_seq_lens = self._mixed_step_decodes(meta, sliding_window)
         if decode_seq_lens:
             splits = self.choose_num_splits(len(decode_seq_lens), num_kv_heads, 1, max(decode_seq_lens), head_dim)
-            self._decode(out, args, strides, common, num_reqs, num_heads, g, splits, qk_scale, window, soft_cap)
+            self._decode(out, args, strides, common, num_reqs, num_heads, g, splits, qk_scale, window, soft_cap,
+                         meta.query_start_loc, sinks_ptr)
 
         cfg = self.launch_config(meta.max_query_len, head_dim, q.dtype)
         block_m, tile_n, warps, stages = cfg
@@ -566,10 +568,11 @@ class TritonAttentionBackend:
                 seq_lens[i] for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
         return meta.backend_cache["mixed_step_decodes"]
 
-    def _decode(self, out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap):
-        """The decode kernel (and with splits the combine kernel) over the batch's one-token queries."""
+    def _decode(self, out, args, strides, common, num_reqs, num_heads, g, num_splits, qk_scale, window, soft_cap,
+                qsl, sinks_ptr):
+        """The decode kernel (and with splits the combine kernel, which reads qsl and sinks_ptr) over the batch's
+        one-token queries; args and strides: forward's, shared with the unified kernel."""
         head_dim, head_dim_p = common["HEAD_DIM"], common["HEAD_DIM_P"]
-        qsl, sinks_ptr = args[5], args[8]  # the launch arguments' order: see forward
         block_m, tile_n, warps, stages = self.by_width(head_dim, self.SPLIT_CONFIG, self.WIDE_HEAD_SPLIT_CONFIG)
         block_m = max(block_m, _next_pow2(g))
         part_out = part_m = part_l = out  # unwritten with one split

@@ -259,15 +259,6 @@ def test_long_prefill_config(num_heads, num_kv_heads):
           block_size=16, seed=num_heads)
 
 
-def _mixed_step_backend(num_splits=None):
-    """A backend whose long-prefill threshold is low enough for these small batches."""
-    backend = ta.TritonAttentionBackend(num_sms=4)
-    backend.LONG_PREFILL_MIN_QUERY = 16
-    if num_splits:
-        backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
-    return backend
-
-
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("mixed_kernel", [True, False])
 def test_long_prefill_step_decodes_by_decode_kernel(monkeypatch, num_splits, mixed_kernel):
@@ -275,12 +266,12 @@ def test_long_prefill_step_decodes_by_decode_kernel(monkeypatch, num_splits, mix
     unified kernel, which skips them: the same output as one unified launch, the reference's."""
     spy = paged_batch.CountLaunches(ta._decode_kernel)
     monkeypatch.setattr(ta, "_decode_kernel", spy)
-    backend = _mixed_step_backend(num_splits)
+    backend = paged_batch.long_prefill_backend(num_splits)
     backend.MIXED_STEP_DECODE_KERNEL = mixed_kernel
     check([70, 5, 0, 130, 0], [1, 33, 1, 1, 20], backend, num_heads=8, num_kv_heads=2, block_size=16, seed=21)
     assert spy.launches == int(mixed_kernel)
     spy.launches = 0
     check([4, 9], [40, 20], backend, num_heads=8, num_kv_heads=2, block_size=16, seed=22)  # no decodes
-    short = _mixed_step_backend(num_splits)
+    short = paged_batch.long_prefill_backend(num_splits)
     check([70, 5], [1, 15], short, num_heads=8, num_kv_heads=2, block_size=16, seed=23)  # no long query
     assert spy.launches == 0

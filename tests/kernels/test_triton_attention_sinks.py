@@ -70,7 +70,5 @@ def test_sinks_must_be_one_float32_logit_per_head():
 def test_sinks_long_prefill_step_decodes(num_splits):
     # The sink of a long prefill step's decodes (a layer without a window): added by the decode kernel (one split)
     # or the combine kernel.
-    backend = ta.TritonAttentionBackend(num_sms=4)
-    backend.LONG_PREFILL_MIN_QUERY = 16
-    backend.choose_num_splits = lambda reqs, heads, max_query_len, *rest: num_splits if max_query_len == 1 else 1
-    check([70, 5, 0, 130], [1, 33, 1, 1], None, backend=backend, block_size=8, seed=num_splits)
+    check([70, 5, 0, 130], [1, 33, 1, 1], None, backend=paged_batch.long_prefill_backend(num_splits), block_size=8,
+          seed=num_splits)

@@ -107,7 +107,6 @@ def test_window_long_prefill_step_one_launch(monkeypatch):
     # keys than the chunk's).
     spy = paged_batch.CountLaunches(ta._decode_kernel)
     monkeypatch.setattr(ta, "_decode_kernel", spy)
-    backend = ta.TritonAttentionBackend(num_sms=4)
-    backend.LONG_PREFILL_MIN_QUERY = 16
-    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=backend, num_heads=8, num_kv_heads=2, block_size=8, seed=2)
+    check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=paged_batch.long_prefill_backend(), num_heads=8,
+          num_kv_heads=2, block_size=8, seed=2)
     assert spy.launches == 0
