@@ -555,8 +555,8 @@ class TritonAttentionBackend:
     def _mixed_step_decodes(self, meta: AttentionMetadata, sliding_window: int | None) -> list[int]:
         """The context lengths of the one-token queries of a step with a query of at least
         LONG_PREFILL_MIN_QUERY tokens (empty for other steps, windowed layers, or with MIXED_STEP_DECODE_KERNEL
-        off). In a windowed layer a decode's program walks no more keys than the chunk's: a second launch there
-        costs more than it saves."""
+        off). In a windowed layer a decode's program walks no more keys than the chunk's: a second launch there has
+        nothing to save."""
         if (not self.MIXED_STEP_DECODE_KERNEL or sliding_window is not None
                 or meta.max_query_len < self.LONG_PREFILL_MIN_QUERY
                 or meta.query_start_loc_cpu is None or meta.seq_lens_cpu is None):
