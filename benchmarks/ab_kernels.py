@@ -244,43 +244,68 @@ def prefill(rows_out: list, shapes: list[str] | None = None, configs: list | Non
 W2_STEPS = [2, 3, 4, 5, 20, 40]  # the profile's prefill window (benchmarks/profile_w2_steps.py), then later ones
 
 
-def prefill_w2(rows_out: list, vllm_fa: bool = False, configs: list | None = None) -> None:
+def prefill_w2(rows_out: list, vllm_fa: bool = False, configs: list | None = None, variants: list | None = None,
+               steps: list[int] | None = None, block_sizes: list[int] | None = None) -> None:
     """Gemma-3-12B's attention in W2's real prefill steps (w2_steps: chunks of two or three prompts beside the
     decodes of the prompts already done), a global and a local layer each: the backend as it is, with
-    MIXED_STEP_DECODE_KERNEL off, with each of `configs` as its long-prefill launch configuration, and vLLM's
-    FlashAttention 3; then a step's 8 global + 40 local layers."""
+    MIXED_STEP_DECODE_KERNEL off, with each of `configs` as its long-prefill launch configuration, with each of
+    `variants` (TritonAttentionBackend attribute sets), and vLLM's FlashAttention 3; then a step's 8 global + 40
+    local layers. steps: W2_STEPS by default; block_sizes: the paged cache's (16, the engine's default)."""
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
     def backend(**attrs) -> TritonAttentionBackend:
         b = TritonAttentionBackend()
         for name, value in attrs.items():
-            setattr(b, name, value)
+            setattr(b, name, tuple(value) if isinstance(value, list) else value)
         return b
 
-    variants = [("kvserve", backend()), ("kvserve, one launch", backend(MIXED_STEP_DECODE_KERNEL=False))]
-    variants += [(f"kvserve {tuple(c)}", backend(WIDE_HEAD_LONG_PREFILL_CONFIG=tuple(c))) for c in configs or [] if c]
-    for step, requests in w2_steps(W2_STEPS).items():
-        q, k, v, cache, meta = _paged_batch(requests, heads=GEMMA_HEADS)
-        scale = GEMMA_HEADS[2] ** -0.5
-        decodes = sum(1 for _, n in requests if n == 1)
-        per_layer = {}
-        for window in (None, GEMMA_WINDOW):
-            runs = [(name, lambda b=b, w=window: b.forward(q, k, v, cache, meta, scale, sliding_window=w))
-                    for name, b in variants]
-            if vllm_fa:
-                runs.append(("vLLM 0.26.0 FlashAttention 3", _vllm_flash_attention(q, cache, meta, scale, window)))
-            case = f"W2 step {step} ({decodes} decodes), {'local' if window else 'global'} layer"
-            for name, us in _time_runs(rows_out, "prefill-w2", case, runs).items():
-                per_layer[(name, window)] = us
-        for name, _ in runs:
-            if (name, None) not in per_layer or (name, GEMMA_WINDOW) not in per_layer:
-                continue
-            step_us = (GEMMA_GLOBAL_LAYERS * per_layer[(name, None)]
-                       + GEMMA_LOCAL_LAYERS * per_layer[(name, GEMMA_WINDOW)])
-            rows_out.append({"section": "prefill-w2", "case": f"W2 step {step}: 8 global + 40 local layers",
-                             "config": name, "us": round(step_us, 1)})
-        del q, k, v, cache, meta
-        torch.cuda.empty_cache()
+    kernels = [("kvserve", backend()), ("kvserve, one launch", backend(MIXED_STEP_DECODE_KERNEL=False))]
+    kernels += [(f"kvserve {tuple(c)}", backend(WIDE_HEAD_LONG_PREFILL_CONFIG=tuple(c))) for c in configs or [] if c]
+    kernels += [("kvserve " + ", ".join(f"{k}={v}" for k, v in attrs.items()), backend(**attrs))
+                for attrs in variants or []]
+    for block_size in block_sizes or [16]:
+        for step, requests in w2_steps(steps or W2_STEPS).items():
+            q, k, v, cache, meta = _paged_batch(requests, block_size, heads=GEMMA_HEADS)
+            scale = GEMMA_HEADS[2] ** -0.5
+            decodes = sum(1 for _, n in requests if n == 1)
+            per_layer = {}
+            for window in (None, GEMMA_WINDOW):
+                runs = [(name, lambda b=b, w=window: b.forward(q, k, v, cache, meta, scale, sliding_window=w))
+                        for name, b in kernels]
+                if vllm_fa:
+                    runs.append(("vLLM 0.26.0 FlashAttention 3",
+                                 _vllm_flash_attention(q, cache, meta, scale, window)))
+                case = (f"W2 step {step} ({decodes} decodes), {'local' if window else 'global'} layer, "
+                        f"block size {block_size}")
+                for name, us in _time_runs(rows_out, "prefill-w2", case, runs).items():
+                    per_layer[(name, window)] = us
+            for name, _ in runs:
+                if (name, None) not in per_layer or (name, GEMMA_WINDOW) not in per_layer:
+                    continue
+                step_us = (GEMMA_GLOBAL_LAYERS * per_layer[(name, None)]
+                           + GEMMA_LOCAL_LAYERS * per_layer[(name, GEMMA_WINDOW)])
+                rows_out.append({"section": "prefill-w2", "case": f"W2 step {step}: 8 global + 40 local layers, "
+                                 f"block size {block_size}", "config": name, "us": round(step_us, 1)})
+            del q, k, v, cache, meta
+            torch.cuda.empty_cache()
+    _print_compiled_resources("_unified_attention_kernel")
+
+
+def _print_compiled_resources(kernel_name: str) -> None:
+    """Registers, spills and shared memory of each compiled specialization of a triton_attention kernel."""
+    import kvserve.ops.triton_attention as ta
+
+    fn = getattr(ta, kernel_name)
+    try:
+        for caches in getattr(fn, "device_caches", {}).values():
+            for key, compiled in caches[0].items():
+                print(json.dumps({"kernel": kernel_name, "n_regs": getattr(compiled, "n_regs", None),
+                                  "n_spills": getattr(compiled, "n_spills", None),
+                                  "shared": getattr(compiled.metadata, "shared", None),
+                                  "num_warps": getattr(compiled.metadata, "num_warps", None),
+                                  "key": str(key)[-400:]}), flush=True)
+    except Exception as exc:  # triton's cache layout is not an API
+        print(f"compiled resources unavailable: {type(exc).__name__}: {exc}")
 
 
 # Llama-3.1-8B's linear layers, (K, N).
@@ -523,6 +548,11 @@ def main():
                     help="prefill: a JSON list of [BLOCK_M, TILE_N, warps, stages] (null: the current one)")
     ap.add_argument("--vllm-fa", action="store_true",
                     help="prefill: also vLLM 0.26.0's FlashAttention 3 from /tmp/vllmsite (bash .vllm/install.sh)")
+    ap.add_argument("--prefill-variants", type=json.loads, default=None,
+                    help="prefill-w2: a JSON list of TritonAttentionBackend attribute sets, each timed as well")
+    ap.add_argument("--w2-steps", type=json.loads, default=None, help="prefill-w2: a JSON list of W2 steps")
+    ap.add_argument("--w2-block-sizes", type=json.loads, default=None,
+                    help="prefill-w2: a JSON list of cache block sizes ([16] by default)")
     args = ap.parse_args()
     if args.vllm_fa:
         sys.path.append("/tmp/vllmsite")
@@ -531,7 +561,8 @@ def main():
         if name in ("int4", "fp8"):
             SECTIONS[name](rows, args.sweep)
         elif name == "prefill-w2":
-            prefill_w2(rows, args.vllm_fa, args.prefill_configs)
+            prefill_w2(rows, args.vllm_fa, args.prefill_configs, args.prefill_variants, args.w2_steps,
+                       args.w2_block_sizes)
         elif name == "prefill":
             prefill(rows, args.prefill_shapes.split(",") if args.prefill_shapes else None, args.prefill_configs,
                     args.vllm_fa)

@@ -76,6 +76,16 @@ def poison_outside_window(kv_cache, meta, ctx_lens, window: int) -> None:
             kv_cache[:, int(tables[i, b])] = float("nan")
 
 
+def poison_past_sequence_ends(kv_cache, meta) -> None:
+    """NaN into the slots of each request's last block past its sequence's end (unwritten: a whole-block read
+    covers them)."""
+    bs = meta.block_size
+    tables = meta.block_tables.cpu()
+    for i, seq_len in enumerate(meta.seq_lens.cpu().tolist()):
+        if seq_len % bs:
+            kv_cache[:, int(tables[i, seq_len // bs]), seq_len % bs:] = float("nan")
+
+
 def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_cap=None, sinks=None):
     """The definition written from positions, independent of the backends' code: each request's context
     keys from the cache, then this step's K/V; key j visible from query i iff i - window < j <= i; with
@@ -112,14 +122,20 @@ def dense_attention(q, k, v, kv_cache, meta, scale, ctx_lens, window=None, soft_
 
 
 class CountLaunches:
-    """Stands in for a Triton kernel (monkeypatched over it) and counts its launches."""
+    """Stands in for a Triton kernel (monkeypatched over it), counts its launches and keeps the last one's
+    keyword arguments."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.launches, self.kwargs = kernel, 0, {}
 
     def __getitem__(self, grid):
         self.launches += 1
-        return self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            self.kwargs = kwargs
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 def long_prefill_backend(num_splits: int | None = None):

@@ -12,11 +12,16 @@ captured in a CUDA graph):
   one request; the M dimension of ``tl.dot`` packs those tokens times the GQA group of query heads sharing
   the program's kv head (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i
   owns tile slots ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``, its last tile first; that start
-  index is strictly increasing in i, so a program finds its request by binary search over
-  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each
-  program walks the request's keys in steps of TILE_N up to the causal limit of its last query (whole steps
-  that every row sees without masks, then the masked rest), gathering K/V through the block table key by key
-  (so TILE_N does not depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2).
+  index is strictly increasing in i, so a program finds its request by counting the requests whose start
+  index is at or before its slot (LOOKUP_BY_COUNT; else by binary search over ``query_start_loc``), and there
+  are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys
+  in steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without masks,
+  then the masked rest), gathering K/V through the block table key by key (so TILE_N does not depend on the
+  cache's block size), with a flash-attention online softmax in fp32 (exp2; without a cap the scale is applied
+  after the row max, in the exponent's multiply-add). With KV_TMA (a 16-bit cache whose block size is a
+  multiple of TILE_N, Hopper and later) each key step is one TMA copy of a block's rows instead: the steps then
+  start at multiples of TILE_N, and in masked steps the V rows of keys no row may read (left of every window,
+  past the last key: freed or unwritten slots, possibly NaN) are zeroed before the P @ V product.
 * ``_decode_kernel`` + ``_combine_splits_kernel``: split-KV (flash-decoding) for decode-only batches with
   few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
   range of the context (the same inner loop) and writes its partial output, running max and sum; the
@@ -90,7 +95,7 @@ def _attend_keys(
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
+    SOFT_CAP: tl.constexpr, k_desc=None, v_desc=None, key_floor=0, KV_TMA: tl.constexpr = False,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
     [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
@@ -105,36 +110,56 @@ def _attend_keys(
             k_ok = kpos < key_end
         else:
             k_ok = kpos >= 0  # all true
-        if HEAD_DIM_P == HEAD_DIM:
-            kv_mask = k_ok[:, None]
+        if KV_TMA:
+            # The tile lies in one cache block (TILE_N divides BLOCK_SIZE, tiles start at multiples of TILE_N).
+            blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+            row = blk * BLOCK_SIZE + start % BLOCK_SIZE
+            k = k_desc.load([row, kvh * HEAD_DIM])
+            v = v_desc.load([row, kvh * HEAD_DIM])
         else:
-            kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
-        if MASKED:
-            phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        else:
-            phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE).to(tl.int64)
-        base = phys * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_off = base[:, None] + d[None, :]  # [TILE_N, HEAD_DIM_P], contiguous along d
-        if MASKED or HEAD_DIM_P != HEAD_DIM:
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + kv_off)
-            v = tl.load(v_cache_ptr + kv_off)
+            if HEAD_DIM_P == HEAD_DIM:
+                kv_mask = k_ok[:, None]
+            else:
+                kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
+            if MASKED:
+                phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            else:
+                phys = tl.load(bt_row_ptr + kpos // BLOCK_SIZE).to(tl.int64)
+            base = phys * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            kv_off = base[:, None] + d[None, :]  # [TILE_N, HEAD_DIM_P], contiguous along d
+            if MASKED or HEAD_DIM_P != HEAD_DIM:
+                k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+                v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            else:
+                k = tl.load(k_cache_ptr + kv_off)
+                v = tl.load(v_cache_ptr + kv_off)
         if KV_FP8:  # the scales are folded into qk_scale and the output by the caller
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if KV_TMA and MASKED:  # slots no row sees (freed, or past the last key) may hold NaN: 0 * NaN reaches acc
+            v = tl.where((k_ok & (kpos >= key_floor))[:, None], v, 0.0)
+        # Without a cap the scale is applied after the row max (qk_scale > 0), in one fused multiply-add.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if SOFT_CAP:  # C * tanh(s / C), tanh(x) = 1 - 2 / (exp(2x) + 1) (finite at both ends)
+            s = s * qk_scale
             s = soft_cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E_C) / soft_cap) + 1.0))
         if MASKED:
             visible = k_ok[None, :] & (kpos[None, :] <= query_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] > query_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: avoid -inf - -inf
-        p = tl.exp2(s - m_use[:, None])
+        if SOFT_CAP:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        if MASKED:  # a row may have seen no key yet: avoid -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        if SOFT_CAP:
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -160,7 +185,9 @@ def _unified_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr, k_desc=None, v_desc=None,
+    KV_TMA: tl.constexpr = False, LOOKUP_BY_COUNT: tl.constexpr = True,
+    REQ_CHUNK: tl.constexpr = 128,
 ):
     # 1-D grid over (tile slot, kv head), kv head fastest (programs sharing a request's K/V run together).
     # Requests in batch order, each one's tiles in reverse: a request's later tiles see the most keys, and a
@@ -170,16 +197,26 @@ def _unified_attention_kernel(
     kvh = pid % NUM_KV_HEADS
     slot = pid // NUM_KV_HEADS
 
-    # The request of this slot: the last i with qsl[i] // BLOCK_Q + i <= slot (binary search).
-    lo = num_reqs * 0
-    hi = num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= slot:
-            lo = mid
-        else:
-            hi = mid - 1
-    req = lo
+    # The request of this slot: the last i with qsl[i] // BLOCK_Q + i <= slot.
+    if LOOKUP_BY_COUNT:
+        # Count the requests starting at or before the slot, REQ_CHUNK at a time: one round of independent
+        # loads for batches of up to REQ_CHUNK requests, where a binary search waits on log2(B) loads in turn.
+        count = slot * 0
+        for base in range(0, num_reqs, REQ_CHUNK):
+            i = base + tl.arange(0, REQ_CHUNK)
+            first_slot = tl.load(qsl_ptr + i, mask=i < num_reqs, other=0) // BLOCK_Q + i
+            count += tl.sum(((i < num_reqs) & (first_slot <= slot)).to(tl.int32), axis=0)
+        req = count - 1
+    else:
+        lo = num_reqs * 0
+        hi = num_reqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        req = lo
 
     q_start = tl.load(qsl_ptr + req)
     q_end = tl.load(qsl_ptr + req + 1)
@@ -216,30 +253,34 @@ def _unified_attention_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     full_start = full_end * 0
+    key_floor = full_end * 0  # keys below it: outside every row's window
     if HAS_WINDOW:
         # Keys before the first query's window are never read; those before the window of the tile's
         # last query are seen by some rows only (masked); whole TILE_N tiles after that, up to full_end,
         # by every row.
         first_pos = ctx_len + q_first
         last_pos = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
-        key_lo = tl.maximum(first_pos - window + 1, 0)
+        key_floor = tl.maximum(first_pos - window + 1, 0)
+        key_lo = key_floor
+        if KV_TMA:  # every key step starts at a multiple of TILE_N; the keys before key_floor are masked
+            key_lo = key_lo // TILE_N * TILE_N
         full_end = tl.maximum(full_end, key_lo)
         seen_by_all = tl.minimum(tl.maximum(last_pos - window + 1, key_lo), full_end)
         full_start = full_end - (full_end - seen_by_all) // TILE_N * TILE_N
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_lo, full_start, qk_scale,
             window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-            True, KV_FP8, HAS_WINDOW, SOFT_CAP,
+            True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA,
         )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_start, full_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        False, KV_FP8, HAS_WINDOW, SOFT_CAP,
+        False, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, 0, KV_TMA,
     )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, key_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        True, KV_FP8, HAS_WINDOW, SOFT_CAP,
+        True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA,
     )
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
@@ -361,6 +402,11 @@ def _combine_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def tma_supported(device: torch.device) -> bool:
+    """Whether the GPU has the Tensor Memory Accelerator (Hopper, compute capability 9, and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -438,6 +484,13 @@ class TritonAttentionBackend:
     # kernel (its splits by choose_num_splits) and the rest to the unified kernel, in layers without a window:
     # two launches instead of one (benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md).
     MIXED_STEP_DECODE_KERNEL = True
+    # Long prefill steps of a 16-bit cache whose block size is a multiple of the key step load each K/V tile with
+    # one TMA copy (Hopper and later) instead of a key-by-key gather.
+    TMA_KV = False
+    # A unified program finds its request by counting the batch's request starts, this many at a time (one
+    # round of loads up to this many requests), or with LOOKUP_BY_COUNT off by binary search.
+    LOOKUP_BY_COUNT = True
+    REQUEST_LOOKUP_CHUNK = 128
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -545,12 +598,29 @@ class TritonAttentionBackend:
         block_m = max(block_m, _next_pow2(g))
         block_q = block_m // g
         num_tiles = num_tokens // block_q + num_reqs
+        descs = self._tma_descriptors(k_cache, v_cache, meta.max_query_len, tile_n, q.dtype, head_dim_p)
         _unified_attention_kernel[(num_tiles * num_kv_heads,)](
             out, *args, num_reqs, qk_scale, window, soft_cap, *strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             SKIP_SINGLE_QUERIES=bool(decode_seq_lens), num_warps=warps, num_stages=stages, **common,
+            k_desc=descs[0], v_desc=descs[1], KV_TMA=descs[0] is not None,
+            LOOKUP_BY_COUNT=self.LOOKUP_BY_COUNT,
+            REQ_CHUNK=self.REQUEST_LOOKUP_CHUNK,
         )
         return out
+
+    def _tma_descriptors(self, k_cache, v_cache, max_query_len, tile_n, dtype, head_dim_p):
+        """TMA descriptors of the K and V caches seen as [blocks * block_size, kv heads * head_dim] rows, one
+        [tile_n, head_dim] box a key step; (None, None) where the TMA path does not apply."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        if (not self.TMA_KV or max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2
+                or k_cache.dtype != dtype or block_size % tile_n or head_dim != head_dim_p
+                or not tma_supported(k_cache.device)):
+            return None, None
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return tuple(TensorDescriptor.from_tensor(c.view(num_blocks * block_size, num_kv_heads * head_dim),
+                                                  [tile_n, head_dim]) for c in (k_cache, v_cache))
 
     def _mixed_step_decodes(self, meta: AttentionMetadata, sliding_window: int | None) -> list[int]:
         """The context lengths of the one-token queries of a step with a query of at least

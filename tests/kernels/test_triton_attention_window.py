@@ -21,13 +21,16 @@ pytestmark = KERNEL_TIER
 DEVICE = KERNEL_DEVICE
 
 
-def check(ctx_lens, q_lens, window, soft_cap=None, backend=None, dtype=torch.float32, atol=1e-4, **kw):
+def check(ctx_lens, q_lens, window, soft_cap=None, backend=None, dtype=torch.float32, atol=1e-4,
+          poison_unwritten=False, **kw):
     q, k, v, cache, meta = paged_batch.make_batch(ctx_lens, q_lens, device=DEVICE, **kw)
     q, k, v, cache = (x.to(dtype) for x in (q, k, v, cache))
     scale = q.shape[-1] ** -0.5
     expected = paged_batch.dense_attention(q, k, v, cache, meta, scale, ctx_lens, window, soft_cap)
     if window is not None:
         paged_batch.poison_outside_window(cache, meta, ctx_lens, window)
+    if poison_unwritten:
+        paged_batch.poison_past_sequence_ends(cache, meta)
     tri_cache = cache.clone()
     out = (backend or ta.TritonAttentionBackend()).forward(q, k, v, tri_cache, meta, scale, sliding_window=window,
                                                            logits_soft_cap=soft_cap)
@@ -110,3 +113,21 @@ def test_window_long_prefill_step_one_launch(monkeypatch):
     check([70, 5, 0, 130], [1, 33, 1, 1], 24, backend=paged_batch.long_prefill_backend(), num_heads=8,
           num_kv_heads=2, block_size=8, seed=2)
     assert spy.launches == 0
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 24])
+def test_tma_kv_tiles(monkeypatch, window):
+    """Long prefill steps on a cache whose block size is a multiple of the key step load each K/V tile with one TMA
+    copy: the same output as the dense definition, with NaN in every block left of the windows and in each
+    sequence's unwritten slots (a tile may cover them: they must not reach the output). Under the interpreter the
+    TMA gate is forced open (fp16: its bf16 dot is unusable)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(ta, "tma_supported", lambda device: True)
+    backend = paged_batch.long_prefill_backend()
+    backend.TMA_KV = True
+    backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (32, 16, 4, 2)
+    spy = paged_batch.CountLaunches(ta._unified_attention_kernel)
+    monkeypatch.setattr(ta, "_unified_attention_kernel", spy)
+    check([0, 40, 7, 30, 3], [37, 20, 1, 45, 1], window, backend=backend, dtype=torch.float16, atol=2e-3,
+          num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, seed=31, poison_unwritten=True)
+    assert spy.kwargs["KV_TMA"]
