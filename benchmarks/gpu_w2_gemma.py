@@ -79,8 +79,10 @@ def tiny_parity() -> dict:
     return out
 
 
-def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory_utilization: float = 0.9) -> dict:
-    """W2 timed `passes` times on one engine (each from an empty prefix cache); the best pass is the row."""
+def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory_utilization: float = 0.9,
+           block_size: int | None = None) -> dict:
+    """W2 timed `passes` times on one engine (each from an empty prefix cache); the best pass is the row.
+    block_size: the KV cache's (the engine's default when None)."""
     from benchmarks.gpu_w1 import StepTimer
     from kvserve import LLM, SamplingParams
     from kvserve.bench.datasets import W2_MAX_MODEL_LEN, w2_requests, write_w2_config
@@ -89,8 +91,9 @@ def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory
     reqs = w2_requests(16 if quick else None)
     path = write_w2_config()
     t0 = time.perf_counter()
+    extra = {"block_size": block_size} if block_size else {}
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=W2_MAX_MODEL_LEN,
-              max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization)
+              max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, **extra)
     init_s = time.perf_counter() - t0
     engine = llm.llm_engine
     prompts = [r.engine_prompt() for r in reqs]
@@ -120,7 +123,7 @@ def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory
         "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 2),
         "output_tok_s": round(n_out / seconds, 1), "total_tok_s": round((n_in + n_out) / seconds, 1),
         "kv_cache_groups": len(engine.kv_cache_manager.groups),
-        "kv_blocks": engine.num_kv_blocks,
+        "kv_blocks": engine.num_kv_blocks, "block_size": engine.config.args.block_size,
         "kv_cache_tokens": memory_plan.kv_cache_tokens(engine.num_kv_blocks, engine.config.args.block_size,
                                                        engine.kv_cache_manager.group_windows, max_num_batched_tokens),
         "preemptions": stats.num_preemptions, "init_s": round(init_s, 1),
@@ -135,11 +138,15 @@ def run_w2(quick: bool, max_num_batched_tokens: int, passes: int = 1, gpu_memory
 
 
 def apply_attention_overrides(path: str) -> dict:
-    """Sets the file's TritonAttentionBackend attributes on the class (the engine builds its own instance)."""
+    """Sets the file's TritonAttentionBackend attributes (or those of `path` itself when it is a JSON object) on the
+    class (the engine builds its own instance)."""
     from kvserve.ops.triton_attention import TritonAttentionBackend
 
-    with open(path) as f:
-        attrs = json.load(f)
+    if path.lstrip().startswith("{"):
+        attrs = json.loads(path)
+    else:
+        with open(path) as f:
+            attrs = json.load(f)
     attrs = attrs.get("best", attrs)
     for name, value in attrs.items():
         if not hasattr(TritonAttentionBackend, name):
@@ -158,10 +165,12 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="another KV cache size (vLLM's run keeps its default 0.9): how much preemptions cost")
     ap.add_argument("--vllm-json", help="vLLM's result on the same run (benchmarks/vllm_w2_gemma.py): adds ratios")
-    ap.add_argument("--attention-overrides", help="JSON of TritonAttentionBackend attributes for this run (or "
-                    "benchmarks/sweep_decode_attention.py --gemma's result, whose fastest variant it takes)")
+    ap.add_argument("--attention-overrides", help="a JSON object of TritonAttentionBackend attributes for this run, "
+                    "or a file of one (or of benchmarks/sweep_decode_attention.py --gemma's result, whose fastest "
+                    "variant it takes)")
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--passes", type=int, default=1, help="timed W2 passes (the best is the row)")
+    ap.add_argument("--block-size", type=int, default=None, help="the KV cache's block size (the engine's default)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     results = {"device": torch.cuda.get_device_name()}
@@ -171,7 +180,7 @@ def main():
         results["kernel_tests"] = kernel_tests()
         results["parity"] = tiny_parity()
     results["w2"] = run_w2(args.quick, args.max_num_batched_tokens, args.passes,
-                          args.gpu_memory_utilization)
+                          args.gpu_memory_utilization, args.block_size)
     if args.vllm_json and os.path.exists(args.vllm_json):
         with open(args.vllm_json) as f:
             results["vllm"] = json.load(f)
@@ -191,8 +200,8 @@ def main():
           f"{w2['update_ms_per_step']} |")
     print(f"| output tok/s | {w2['output_tok_s']:,} |")
     print(f"| total (prompt + output) tok/s | {w2['total_tok_s']:,} |")
-    print(f"| KV cache groups / blocks / longest request (tokens) | {w2['kv_cache_groups']} / {w2['kv_blocks']:,} / "
-          f"{w2['kv_cache_tokens']:,} |")
+    print(f"| KV cache groups / blocks of {w2['block_size']} / longest request (tokens) | {w2['kv_cache_groups']} / "
+          f"{w2['kv_blocks']:,} / {w2['kv_cache_tokens']:,} |")
     print(f"| preemptions | {w2['preemptions']} |")
     print(f"| GiB: {' / '.join(w2['memory_gib'])} | {' / '.join(str(v) for v in w2['memory_gib'].values())} |")
     if "attention_overrides" in results:
@@ -204,7 +213,7 @@ def main():
         ratio = vllm["elapsed_s"] / w2["seconds"]
         print(f"| vLLM {vllm['vllm_version']}: seconds / output tok/s (step budget "
               f"{vllm.get('max_num_batched_tokens')}) | {vllm['elapsed_s']} / {vllm['vllm_offline_out_tok_per_s']:,} |")
-        print(f"| kvserve / vLLM throughput (target >= 1.00x) | {ratio:.2f}x {'met' if ratio >= 1 else 'MISSED'} |")
+        print(f"| kvserve / vLLM throughput (target >= 1.00x) | {ratio:.3f}x {'met' if ratio >= 1 else 'MISSED'} |")
 
 
 if __name__ == "__main__":
