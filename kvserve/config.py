@@ -42,7 +42,7 @@ class EngineArgs:
     structured_outputs_config: str | None = field(default=None, metadata={"help": "Structured outputs, as JSON: {\"backend\": \"auto\" | \"xgrammar\" | \"guidance\", \"disable_any_whitespace\": bool, \"disable_additional_properties\": bool} (auto: xgrammar, llguidance where xgrammar refuses the constraint).", "group": "Structured outputs"})
     reasoning_parser: str | None = field(default=None, metadata={"help": "deepseek_r1 | qwen3: the model thinks before it answers; the thinking is returned as reasoning_content and a structured-output constraint applies to the answer only.", "group": "Structured outputs"})
     # Cache
-    block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block.", "group": "Cache"})
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per KV cache block. Default: 16; 64 where the Triton attention backend loads a long prefill's K/V tiles with TMA (CUDA, a 16-bit KV cache, heads wider than 128: Gemma 2/3).", "group": "Cache"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory this engine may use (weights + activations + KV cache).", "group": "Cache"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV cache size in bytes; overrides gpu_memory_utilization. On CPU the default is 2 GiB.", "group": "Cache"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "Exact number of KV blocks (testing).", "group": "Cache"})
@@ -82,7 +82,8 @@ class EngineArgs:
             bad("load_format", f"{self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             bad("attention_backend", f"{self.attention_backend!r} is not one of {', '.join(_ATTENTION_BACKENDS)}.")
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size > 256:
+        if self.block_size is not None and (
+                self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size > 256):
             bad("block_size", f"must be a power of two between 1 and 256, got {self.block_size}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}.")
@@ -241,6 +242,9 @@ class EngineConfig:
             backend = "torch"
         elif backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
+        if args.block_size is None:
+            args = dataclasses.replace(args, block_size=default_block_size(
+                device, backend, dtype, args.kv_cache_dtype, model_config.head_dim))
         tokenizer_path = model_path
         if args.tokenizer:
             tokenizer_path = resolve_model_files(args.tokenizer, revision=args.tokenizer_revision,
@@ -367,6 +371,21 @@ def _tensor_parallel_misfit(cfg: ModelConfig, tp: int) -> str | None:
     if cfg.vocab_size % tp:
         return f"The vocabulary ({cfg.vocab_size} tokens) is not divisible by {tp}"
     return None
+
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_block_size(device: str, attention_backend: str, dtype: str, kv_cache_dtype: str, head_dim: int) -> int:
+    """--block-size when it is not given: what the Triton backend prefers for this cache on a GPU
+    (TritonAttentionBackend.preferred_block_size), else DEFAULT_BLOCK_SIZE."""
+    if device == "cuda" and attention_backend == "triton" and kv_cache_dtype == "auto":
+        try:
+            from kvserve.ops.triton_attention import TritonAttentionBackend
+        except ImportError:  # no triton here (`kvserve plan` on a CPU machine): the engine would need it anyway
+            return DEFAULT_BLOCK_SIZE
+        return TritonAttentionBackend.preferred_block_size(head_dim, dtype) or DEFAULT_BLOCK_SIZE
+    return DEFAULT_BLOCK_SIZE
 
 
 def _cuda_available() -> bool:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvserve.bench.args import add_dataset_args, requests_from_args
+from kvserve.config import DEFAULT_BLOCK_SIZE
 from kvserve.bench.datasets import W1_MODEL_ALIAS
 from kvserve.bench.engine_setup import add_model_args, bench_engine_args
 
@@ -171,7 +172,7 @@ class Tuner:
     def run(self) -> None:
         args = self.engine_args
         needed = max(r.prompt_len + r.expected_output_len for r in self.requests)
-        bs = args.block_size
+        bs = args.block_size or DEFAULT_BLOCK_SIZE  # the engine may choose a larger one (config.default_block_size)
         length = args.max_model_len or -(-needed // 256) * 256
         base = {"max_model_len": length, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}

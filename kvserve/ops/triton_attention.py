@@ -12,9 +12,8 @@ captured in a CUDA graph):
   one request; the M dimension of ``tl.dot`` packs those tokens times the GQA group of query heads sharing
   the program's kv head (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i
   owns tile slots ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``, its last tile first; that start
-  index is strictly increasing in i, so a program finds its request by counting the requests whose start
-  index is at or before its slot (LOOKUP_BY_COUNT; else by binary search over ``query_start_loc``), and there
-  are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys
+  index is strictly increasing in i, so a program finds its request by binary search over
+  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys
   in steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without masks,
   then the masked rest), gathering K/V through the block table key by key (so TILE_N does not depend on the
   cache's block size), with a flash-attention online softmax in fp32 (exp2; without a cap the scale is applied
@@ -186,8 +185,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr, k_desc=None, v_desc=None,
-    KV_TMA: tl.constexpr = False, LOOKUP_BY_COUNT: tl.constexpr = True,
-    REQ_CHUNK: tl.constexpr = 128,
+    KV_TMA: tl.constexpr = False,
 ):
     # 1-D grid over (tile slot, kv head), kv head fastest (programs sharing a request's K/V run together).
     # Requests in batch order, each one's tiles in reverse: a request's later tiles see the most keys, and a
@@ -197,26 +195,16 @@ def _unified_attention_kernel(
     kvh = pid % NUM_KV_HEADS
     slot = pid // NUM_KV_HEADS
 
-    # The request of this slot: the last i with qsl[i] // BLOCK_Q + i <= slot.
-    if LOOKUP_BY_COUNT:
-        # Count the requests starting at or before the slot, REQ_CHUNK at a time: one round of independent
-        # loads for batches of up to REQ_CHUNK requests, where a binary search waits on log2(B) loads in turn.
-        count = slot * 0
-        for base in range(0, num_reqs, REQ_CHUNK):
-            i = base + tl.arange(0, REQ_CHUNK)
-            first_slot = tl.load(qsl_ptr + i, mask=i < num_reqs, other=0) // BLOCK_Q + i
-            count += tl.sum(((i < num_reqs) & (first_slot <= slot)).to(tl.int32), axis=0)
-        req = count - 1
-    else:
-        lo = num_reqs * 0
-        hi = num_reqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
-        req = lo
+    # The request of this slot: the last i with qsl[i] // BLOCK_Q + i <= slot (binary search).
+    lo = num_reqs * 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    req = lo
 
     q_start = tl.load(qsl_ptr + req)
     q_end = tl.load(qsl_ptr + req + 1)
@@ -485,12 +473,10 @@ class TritonAttentionBackend:
     # two launches instead of one (benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md).
     MIXED_STEP_DECODE_KERNEL = True
     # Long prefill steps of a 16-bit cache whose block size is a multiple of the key step load each K/V tile with
-    # one TMA copy (Hopper and later) instead of a key-by-key gather.
+    # one TMA copy (Hopper and later) instead of a key-by-key gather: for heads wider than WIDE_HEAD_DIM (measured
+    # on Gemma-3's, benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md), not yet for narrower ones.
     TMA_KV = False
-    # A unified program finds its request by counting the batch's request starts, this many at a time (one
-    # round of loads up to this many requests), or with LOOKUP_BY_COUNT off by binary search.
-    LOOKUP_BY_COUNT = True
-    REQUEST_LOOKUP_CHUNK = 128
+    WIDE_HEAD_TMA_KV = True
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -521,6 +507,15 @@ class TritonAttentionBackend:
             return min(_cdiv(max_seq_len, long), self.MAX_SPLITS) if long and max_seq_len >= 2 * long else 1
         splits = min(_cdiv(2 * self.num_sms, work), by_len, self.MAX_SPLITS)
         return max(splits, 2 if self.split_kv else 1)
+
+    @classmethod
+    def preferred_block_size(cls, head_dim: int, dtype: str) -> int | None:
+        """The KV cache block size this backend prefers for a 16-bit cache of these heads (None: no preference):
+        one key step of the long-prefill tiles a block where the TMA path is on, so each step is one copy."""
+        tma = cls.TMA_KV if head_dim <= cls.WIDE_HEAD_DIM else cls.WIDE_HEAD_TMA_KV
+        if not tma or dtype not in ("bfloat16", "float16"):
+            return None
+        return (cls.LONG_PREFILL_CONFIG if head_dim <= cls.WIDE_HEAD_DIM else cls.WIDE_HEAD_LONG_PREFILL_CONFIG)[1]
 
     def by_width(self, head_dim: int, narrow, wide):
         """`wide` for heads wider than WIDE_HEAD_DIM, else `narrow`."""
@@ -604,8 +599,6 @@ class TritonAttentionBackend:
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             SKIP_SINGLE_QUERIES=bool(decode_seq_lens), num_warps=warps, num_stages=stages, **common,
             k_desc=descs[0], v_desc=descs[1], KV_TMA=descs[0] is not None,
-            LOOKUP_BY_COUNT=self.LOOKUP_BY_COUNT,
-            REQ_CHUNK=self.REQUEST_LOOKUP_CHUNK,
         )
         return out
 
@@ -613,7 +606,8 @@ class TritonAttentionBackend:
         """TMA descriptors of the K and V caches seen as [blocks * block_size, kv heads * head_dim] rows, one
         [tile_n, head_dim] box a key step; (None, None) where the TMA path does not apply."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        if (not self.TMA_KV or max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2
+        if (not self.by_width(head_dim, self.TMA_KV, self.WIDE_HEAD_TMA_KV)
+                or max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2
                 or k_cache.dtype != dtype or block_size % tile_n or head_dim != head_dim_p
                 or not tma_supported(k_cache.device)):
             return None, None

@@ -142,13 +142,10 @@ def test_small_tiles():
     check([37, 64], [1, 1], backend, num_heads=8, num_kv_heads=2, block_size=4, seed=13)
 
 
-@pytest.mark.parametrize("by_count,chunk", [(True, 4), (True, 128), (False, 128)])
-def test_request_lookup(by_count, chunk):
-    # A unified program finds its request by counting request starts (in chunks of 4: three rounds for these
-    # eleven requests, the last one partial) or by binary search; tiles of short and long queries, decodes, empty
-    # tile slots in between.
+def test_request_lookup():
+    # Eleven requests: tiles of short and long queries, decodes, empty tile slots in between; each program finds
+    # its request by binary search over the query start locations.
     backend = ta.TritonAttentionBackend(split_kv=False)
-    backend.LOOKUP_BY_COUNT, backend.REQUEST_LOOKUP_CHUNK = by_count, chunk
     backend.PREFILL_CONFIG = (16, 16, 4, 1)
     check([3, 0, 40, 7, 0, 12, 30, 0, 5, 9, 2], [1, 9, 17, 1, 2, 33, 1, 4, 1, 1, 20], backend, num_heads=4,
           num_kv_heads=2, block_size=8, seed=14)

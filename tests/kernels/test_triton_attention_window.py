@@ -82,12 +82,14 @@ def test_non_power_of_two_group_with_window():
 
 @compiled_only
 @pytest.mark.parametrize("soft_cap", [None, 50.0])
-def test_gemma_shapes_bf16(soft_cap):
-    # Gemma-3-12B-like heads (16 q / 8 kv, head_dim 256), a 1024-token window over longer contexts.
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gemma_shapes_bf16(soft_cap, block_size):
+    # Gemma-3-12B-like heads (16 q / 8 kv, head_dim 256), a 1024-token window over longer contexts; a long prefill
+    # (the TMA path on Hopper with 64-token blocks), with NaN in the slots past each sequence's end.
     ctx, ql = [0, 3000, 5000, 1500, 900], [2048, 1, 1, 300, 1]
     for window in (1024, None):
         check(ctx, ql, window, soft_cap, dtype=torch.bfloat16, atol=2e-2, num_heads=16, num_kv_heads=8,
-              head_dim=256, block_size=16, seed=21)
+              head_dim=256, block_size=block_size, seed=21, poison_unwritten=True)
 
 
 @compiled_only
