@@ -30,4 +30,5 @@ if __name__ == "__main__":
     given = sys.argv[1:]
     if "--shape" not in given:  # the bundle script re-executes itself with these same arguments
         sys.argv[1:] = ["--shape", SHAPE, "--workload", "w2", "--latency-in", "8192", "--tag", "_w2_gemma"] + given
+    os.makedirs(os.environ.get("OUT", "."), exist_ok=True)  # the bundle script writes its JSON there, after the run
     vllm_bench.main()
