@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from kvserve.bench.args import add_dataset_args, requests_from_args
-from kvserve.config import DEFAULT_BLOCK_SIZE
 from kvserve.bench.datasets import W1_MODEL_ALIAS
 from kvserve.bench.engine_setup import add_model_args, bench_engine_args
+from kvserve.config import DEFAULT_BLOCK_SIZE
 
 TUNED = ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
 COARSE_SEQS = (32, 64, 128, 256, 512)

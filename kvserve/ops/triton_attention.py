@@ -13,14 +13,15 @@ captured in a CUDA graph):
   the program's kv head (row m = token m // G, head kvh * G + m % G, BLOCK_Q = BLOCK_M // G). Request i
   owns tile slots ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``, its last tile first; that start
   index is strictly increasing in i, so a program finds its request by binary search over
-  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each program walks the request's keys
-  in steps of TILE_N up to the causal limit of its last query (whole steps that every row sees without masks,
-  then the masked rest), gathering K/V through the block table key by key (so TILE_N does not depend on the
-  cache's block size), with a flash-attention online softmax in fp32 (exp2; without a cap the scale is applied
-  after the row max, in the exponent's multiply-add). With KV_TMA (a 16-bit cache whose block size is a
-  multiple of TILE_N, Hopper and later) each key step is one TMA copy of a block's rows instead: the steps then
-  start at multiples of TILE_N, and in masked steps the V rows of keys no row may read (left of every window,
-  past the last key: freed or unwritten slots, possibly NaN) are zeroed before the P @ V product.
+  ``query_start_loc``, and there are at most ``T // BLOCK_Q + B`` slots (surplus ones return at once). Each
+  program walks the request's keys in steps of TILE_N up to the causal limit of its last query (whole steps
+  that every row sees without masks, then the masked rest), gathering K/V through the block table key by key
+  (so TILE_N does not depend on the cache's block size), with a flash-attention online softmax in fp32 (exp2;
+  without a cap the scale is applied after the row max, in the exponent's multiply-add). With KV_TMA (a 16-bit
+  cache whose block size is a multiple of TILE_N, Hopper and later) each key step is one TMA copy of a block's
+  rows instead: the steps then start at multiples of TILE_N, and in masked steps the V rows of keys no row may
+  read (left of every window, past the last key: freed or unwritten slots, possibly NaN) are zeroed before the
+  P @ V product.
 * ``_decode_kernel`` + ``_combine_splits_kernel``: split-KV (flash-decoding) for decode-only batches with
   few requests and long contexts: grid ``(B, Hkv, num_splits)``, each split attends over a contiguous
   range of the context (the same inner loop) and writes its partial output, running max and sum; the
@@ -45,6 +46,8 @@ Per-layer options, each a constexpr switch so a layer without them compiles to t
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -139,26 +142,22 @@ def _attend_keys(
             v = tl.where((k_ok & (kpos >= key_floor))[:, None], v, 0.0)
         # Without a cap the scale is applied after the row max (qk_scale > 0), in one fused multiply-add.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if SOFT_CAP:  # C * tanh(s / C), tanh(x) = 1 - 2 / (exp(2x) + 1) (finite at both ends)
+        row_scale = qk_scale
+        if SOFT_CAP:  # C * tanh(s / C), tanh(x) = 1 - 2 / (exp(2x) + 1) (finite at both ends); s is then scaled
             s = s * qk_scale
             s = soft_cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E_C) / soft_cap) + 1.0))
+            row_scale = 1.0
         if MASKED:
             visible = k_ok[None, :] & (kpos[None, :] <= query_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] > query_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        if SOFT_CAP:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_scale)
         if MASKED:  # a row may have seen no key yet: avoid -inf - -inf
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        if SOFT_CAP:
-            p = tl.exp2(s - m_use[:, None])
-        else:
-            p = tl.exp2(s * qk_scale - m_use[:, None])
+        p = tl.exp2(s * row_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -390,6 +389,7 @@ def _combine_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=None)
 def tma_supported(device: torch.device) -> bool:
     """Whether the GPU has the Tensor Memory Accelerator (Hopper, compute capability 9, and later)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -512,14 +512,14 @@ class TritonAttentionBackend:
     def preferred_block_size(cls, head_dim: int, dtype: str) -> int | None:
         """The KV cache block size this backend prefers for a 16-bit cache of these heads (None: no preference):
         one key step of the long-prefill tiles a block where the TMA path is on, so each step is one copy."""
-        tma = cls.TMA_KV if head_dim <= cls.WIDE_HEAD_DIM else cls.WIDE_HEAD_TMA_KV
-        if not tma or dtype not in ("bfloat16", "float16"):
+        if not cls.by_width(head_dim, cls.TMA_KV, cls.WIDE_HEAD_TMA_KV) or dtype not in ("bfloat16", "float16"):
             return None
-        return (cls.LONG_PREFILL_CONFIG if head_dim <= cls.WIDE_HEAD_DIM else cls.WIDE_HEAD_LONG_PREFILL_CONFIG)[1]
+        return cls.by_width(head_dim, cls.LONG_PREFILL_CONFIG, cls.WIDE_HEAD_LONG_PREFILL_CONFIG)[1]
 
-    def by_width(self, head_dim: int, narrow, wide):
+    @classmethod
+    def by_width(cls, head_dim: int, narrow, wide):
         """`wide` for heads wider than WIDE_HEAD_DIM, else `narrow`."""
-        return wide if head_dim > self.WIDE_HEAD_DIM else narrow
+        return wide if head_dim > cls.WIDE_HEAD_DIM else narrow
 
     def launch_config(self, max_query_len: int, head_dim: int = 128,
                       dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
