@@ -104,6 +104,15 @@ class RemoteServer:
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
+    def exit_code(self, timeout: float) -> int:
+        """The server's exit status once it exits; past `timeout`, a failure that shows every thread's stack."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # the server dumps its threads' stacks to the log
+            time.sleep(2)
+            raise AssertionError(f"server still running {timeout:.0f} s after the signal:\n{self.log_tail(20000)}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

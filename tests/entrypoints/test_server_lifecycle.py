@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -44,13 +45,25 @@ def test_engine_config_resolved_once_per_serve(server):
     assert resolutions == [str(server.proc.pid)]
 
 
+def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(server):
+    server.signal(signal.SIGUSR1)
+    for _ in range(50):
+        if "Thread 0x" in server.log_tail(10 ** 7):
+            break
+        time.sleep(0.1)
+    log = server.log_tail(10 ** 7)
+    assert "Thread 0x" in log and "Current thread" in log and "api_server.py" in log
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
 def test_sigterm_lets_streams_finish_then_exits_zero(server):
     body = {"prompt": "Drain me", "max_tokens": 60, "ignore_eos": True, "stream": True}
     t, lines, started = stream_in_background(server.url + "/v1/completions", body)
     assert started.wait(60)
     server.signal(signal.SIGTERM)
     t.join(120)
-    assert server.proc.wait(timeout=120) == 0
+    assert server.exit_code(timeout=120) == 0
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the stream ran to its end

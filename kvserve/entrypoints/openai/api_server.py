@@ -6,7 +6,7 @@ SIGTERM/SIGINT it answers 503 to new requests while in-flight streams finish (bo
 0. The engine's processes ignore those signals, so a signal to the whole process group (systemd,
 Kubernetes) drains the same way. If the engine core dies, every request (and /health) answers 500 and
 the server exits 1; if it stops answering (a hung step, SIGSTOP) for --engine-heartbeat-timeout, /health
-answers 503 until it answers again.
+answers 503 until it answers again. SIGUSR1 writes every thread's stack to the log.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import hmac
 import logging
 import os
@@ -398,6 +399,8 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                                timeout_graceful_shutdown=10, timeout_keep_alive=5,
                                http=limited_protocol(header_timeout, max_connections))
     log_safety.install()  # after uvicorn's logging set-up
+    # A shutdown or request that seems stuck can be looked into without a debugger: `kill -USR1 PID`.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = _Server(uv_config, state)
 
     def request_exit():
