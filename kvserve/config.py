@@ -378,13 +378,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 def default_block_size(device: str, attention_backend: str, dtype: str, kv_cache_dtype: str, head_dim: int) -> int:
     """--block-size when it is not given: what the Triton backend prefers for this cache on a GPU
-    (TritonAttentionBackend.preferred_block_size), else DEFAULT_BLOCK_SIZE."""
+    (TritonAttentionLaunch.preferred_block_size), else DEFAULT_BLOCK_SIZE."""
     if device == "cuda" and attention_backend == "triton" and kv_cache_dtype == "auto":
-        try:
-            from kvserve.ops.triton_attention import TritonAttentionBackend
-        except ImportError:  # no triton here (`kvserve plan` on a CPU machine): the engine would need it anyway
-            return DEFAULT_BLOCK_SIZE
-        return TritonAttentionBackend.preferred_block_size(head_dim, dtype) or DEFAULT_BLOCK_SIZE
+        try:  # the backend's class, with whatever a benchmark set on it
+            from kvserve.ops.triton_attention import TritonAttentionBackend as launch
+        except ImportError:  # no triton here (`kvserve plan` on a laptop): the same settings, read without it
+            from kvserve.ops.triton_attention_launch import TritonAttentionLaunch as launch
+        return launch.preferred_block_size(head_dim, dtype) or DEFAULT_BLOCK_SIZE
     return DEFAULT_BLOCK_SIZE
 
 

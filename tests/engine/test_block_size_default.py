@@ -3,6 +3,9 @@ tiles with TMA: a 16-bit cache of heads wider than 128 on CUDA), else 16; a give
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvserve.config import DEFAULT_BLOCK_SIZE, EngineArgs, EngineConfig, default_block_size
@@ -27,6 +30,18 @@ def test_preferred_block_size_is_a_long_prefill_key_step():
     assert TritonAttentionBackend.preferred_block_size(256, "bfloat16") == \
         TritonAttentionBackend.WIDE_HEAD_LONG_PREFILL_CONFIG[1]
     assert TritonAttentionBackend.preferred_block_size(128, "bfloat16") is None
+
+
+def test_the_same_without_triton():
+    """`kvserve plan` on a machine without triton sizes the cache with the block size the GPU server will use."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from kvserve.config import default_block_size\n"
+            "print([default_block_size('cuda', 'triton', d, 'auto', w) for d in ('bfloat16', 'float32') "
+            "for w in (128, 256)])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str([default_block_size("cuda", "triton", d, "auto", w)
+                                      for d in ("bfloat16", "float32") for w in (128, 256)])
+    assert "64" in out.stdout
 
 
 def test_engine_config_resolves_and_keeps(tiny_model_factory):

@@ -262,7 +262,7 @@ def test_long_prefill_config(num_heads, num_kv_heads):
     assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY - 1) == backend.PREFILL_CONFIG
     assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY) == backend.LONG_PREFILL_CONFIG
     assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY, 256) == backend.WIDE_HEAD_LONG_PREFILL_CONFIG
-    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY, 128, torch.float32) == backend.PREFILL_CONFIG
+    assert backend.launch_config(backend.LONG_PREFILL_MIN_QUERY, 128, query_bytes=4) == backend.PREFILL_CONFIG
     backend.LONG_PREFILL_MIN_QUERY = 32
     check([0, 77, 5], [40, 33, 1], backend, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
           block_size=16, seed=num_heads)
