@@ -438,9 +438,10 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 class TritonAttentionBackend(TritonAttentionLaunch):
-    """Launches the kernels above with TritonAttentionLaunch's settings. ``split_kv``: None chooses by the heuristic below, True forces the split-KV path for decode-only
-    batches, False never uses it. ``num_splits`` overrides the number of splits when the path is taken.
-    ``num_sms`` defaults to the current CUDA device's (132 on an H200; 132 where there is no GPU)."""
+    """Launches the kernels above with TritonAttentionLaunch's settings. ``split_kv``: None chooses by the
+    heuristic below, True forces the split-KV path for decode-only batches, False never uses it. ``num_splits``
+    overrides the number of splits when the path is taken. ``num_sms`` defaults to the current CUDA device's
+    (132 on an H200; 132 where there is no GPU)."""
 
     def __init__(self, split_kv: bool | None = None, num_splits: int | None = None, num_sms: int | None = None):
         self.split_kv = split_kv
@@ -548,9 +549,8 @@ class TritonAttentionBackend(TritonAttentionLaunch):
         [tile_n, head_dim] box a key step; (None, None) where the TMA path does not apply."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         if (not self.by_width(head_dim, self.TMA_KV, self.WIDE_HEAD_TMA_KV)
-                or max_query_len < self.LONG_PREFILL_MIN_QUERY or dtype.itemsize != 2
-                or k_cache.dtype != dtype or block_size % tile_n or head_dim != head_dim_p
-                or not tma_supported(k_cache.device)):
+                or not self.long_prefill(max_query_len, dtype.itemsize) or k_cache.dtype != dtype
+                or block_size % tile_n or head_dim != head_dim_p or not tma_supported(k_cache.device)):
             return None, None
         from triton.tools.tensor_descriptor import TensorDescriptor
 

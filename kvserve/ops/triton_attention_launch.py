@@ -66,6 +66,10 @@ class TritonAttentionLaunch:
         width and the bytes of one query value."""
         if max_query_len == 1:
             return self.by_width(head_dim, self.DECODE_CONFIG, self.WIDE_HEAD_DECODE_CONFIG)
-        if max_query_len < self.LONG_PREFILL_MIN_QUERY or query_bytes != 2:
+        if not self.long_prefill(max_query_len, query_bytes):
             return self.PREFILL_CONFIG
         return self.by_width(head_dim, self.LONG_PREFILL_CONFIG, self.WIDE_HEAD_LONG_PREFILL_CONFIG)
+
+    def long_prefill(self, max_query_len: int, query_bytes: int) -> bool:
+        """Whether a step takes the long-prefill tiles (and, where they apply, their TMA K/V copies)."""
+        return max_query_len >= self.LONG_PREFILL_MIN_QUERY and query_bytes == 2
