@@ -3,6 +3,7 @@ CLI's own checks (help groups, bad flags) without starting anything."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import signal
@@ -46,13 +47,21 @@ def test_engine_config_resolved_once_per_serve(server):
 
 
 def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(server):
-    server.signal(signal.SIGUSR1)
+    """Dumps taken while the server's threads are busy (a request being served, the grammar libraries
+    loading after start-up) must leave it serving."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(httpx.post, server.url + "/v1/completions",
+                           json={"prompt": "Hi", "max_tokens": 16}, timeout=60)
+        for _ in range(5):
+            server.signal(signal.SIGUSR1)
+            time.sleep(0.05)
+        assert busy.result().status_code == 200
     for _ in range(50):
-        if "Thread 0x" in server.log_tail(10 ** 7):
+        if server.log_tail(10 ** 7).count("Current thread 0x") >= 5:
             break
         time.sleep(0.1)
     log = server.log_tail(10 ** 7)
-    assert "Thread 0x" in log and "Current thread" in log and "api_server.py" in log
+    assert log.count("Current thread 0x") == 5 and "(MainThread)" in log and "api_server.py" in log
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import faulthandler
 import hmac
 import logging
 import os
@@ -33,6 +32,7 @@ from kvserve import log_safety
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.openai import thread_stacks
 from kvserve.entrypoints.openai.admission import AdmissionLimits
 from kvserve.entrypoints.openai.chat_renderer import DEFAULT_TIMEOUT_S
 from kvserve.entrypoints.openai.cli_args import (
@@ -400,7 +400,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                                http=limited_protocol(header_timeout, max_connections))
     log_safety.install()  # after uvicorn's logging set-up
     # A shutdown or request that seems stuck can be looked into without a debugger: `kill -USR1 PID`.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    thread_stacks.install(signal.SIGUSR1)
     server = _Server(uv_config, state)
 
     def request_exit():
