@@ -56,12 +56,14 @@ def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(server):
             server.signal(signal.SIGUSR1)
             time.sleep(0.05)
         assert busy.result().status_code == 200
+    # Signals that come before the main thread gets to run the handler are one (the kernel and Python
+    # coalesce them), and one that comes during a dump is answered by it: at least one dump, whole.
     for _ in range(50):
-        if server.log_tail(10 ** 7).count("Current thread 0x") >= 5:
+        if "(MainThread)" in server.log_tail(10 ** 7):
             break
         time.sleep(0.1)
     log = server.log_tail(10 ** 7)
-    assert log.count("Current thread 0x") == 5 and "(MainThread)" in log and "api_server.py" in log
+    assert log.count("Current thread 0x") >= 1 and "(MainThread)" in log and "api_server.py" in log
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
