@@ -185,7 +185,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr, k_desc=None, v_desc=None,
-    KV_TMA: tl.constexpr = False, WINDOW_ONE_LOOP: tl.constexpr = False,
+    KV_TMA: tl.constexpr = False,
 ):
     # 1-D grid over (tile slot, kv head), kv head fastest (programs sharing a request's K/V run together).
     # Requests in batch order, each one's tiles in reverse: a request's later tiles see the most keys, and a
@@ -255,9 +255,6 @@ def _unified_attention_kernel(
         full_end = tl.maximum(full_end, key_lo)
         seen_by_all = tl.minimum(tl.maximum(last_pos - window + 1, key_lo), full_end)
         full_start = full_end - (full_end - seen_by_all) // TILE_N * TILE_N
-        if WINDOW_ONE_LOOP:  # every key step masked, in one loop (one pipeline prologue instead of three)
-            full_start = key_end
-            full_end = key_end
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_lo, full_start, qk_scale,
             window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
@@ -544,8 +541,6 @@ class TritonAttentionBackend(TritonAttentionLaunch):
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             SKIP_SINGLE_QUERIES=bool(decode_seq_lens), num_warps=warps, num_stages=stages, **common,
             k_desc=descs[0], v_desc=descs[1], KV_TMA=descs[0] is not None,
-            WINDOW_ONE_LOOP=self.WINDOW_ONE_LOOP and sliding_window is not None and self.long_prefill(
-                meta.max_query_len, q.element_size()),
         )
         return out
 

@@ -46,9 +46,6 @@ class TritonAttentionLaunch:
     # on Gemma-3's, benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md), not yet for narrower ones.
     TMA_KV = False
     WIDE_HEAD_TMA_KV = True
-    # Long prefill steps of a windowed layer walk every key step masked in one loop instead of three (masked
-    # left edge, unmasked middle, masked causal end).
-    WINDOW_ONE_LOOP = False
 
     @classmethod
     def preferred_block_size(cls, head_dim: int, dtype: str) -> int | None:
