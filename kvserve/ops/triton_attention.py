@@ -99,14 +99,14 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, k_desc=None, v_desc=None, key_floor=0, KV_TMA: tl.constexpr = False,
-    ZERO_V: tl.constexpr = True,
+    ZERO_V: tl.constexpr = False,
 ):
     """Online-softmax attention of the rows of q ([BLOCK_M, HEAD_DIM_P]) over key positions
     [key_start, key_end) of one request. MASKED: mask keys >= key_end and causally by query_pos
     ([BLOCK_M]), and with HAS_WINDOW keys at or before query_pos - window; else the caller guarantees
     whole TILE_N tiles that every row may see. Scores are in the log2 domain (qk_scale includes log2(e),
     soft_cap is C * log2(e)); m_i stays -inf for rows that saw no key. KV_TMA loads whole TILE_N steps: with
-    MASKED and ZERO_V the V rows of keys outside [key_floor, key_end) are zeroed, for slots that may hold NaN."""
+    ZERO_V (MASKED only) the V rows of keys outside [key_floor, key_end) are zeroed, for slots that may hold NaN."""
     d = tl.arange(0, HEAD_DIM_P)
     n = tl.arange(0, TILE_N)
     for start in range(key_start, key_end, TILE_N):
@@ -187,7 +187,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, SKIP_SINGLE_QUERIES: tl.constexpr, k_desc=None, v_desc=None,
-    KV_TMA: tl.constexpr = False, ZERO_V_TAIL_ONLY: tl.constexpr = False,
+    KV_TMA: tl.constexpr = False,
 ):
     # 1-D grid over (tile slot, kv head), kv head fastest (programs sharing a request's K/V run together).
     # Requests in batch order, each one's tiles in reverse: a request's later tiles see the most keys, and a
@@ -260,7 +260,7 @@ def _unified_attention_kernel(
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, key_lo, full_start, qk_scale,
             window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-            True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA, not ZERO_V_TAIL_ONLY,
+            True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA,
         )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_start, full_end, qk_scale,
@@ -268,7 +268,7 @@ def _unified_attention_kernel(
         False, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, 0, KV_TMA,
     )
     tail_start = full_end
-    if KV_TMA and ZERO_V_TAIL_ONLY:
+    if KV_TMA:
         # A whole TMA step past key_end holds the request's own later keys (written before the kernel runs) up
         # to seq_len, and a step left of the window shares its block with a key in the window (not freed): only
         # the step that crosses seq_len may read NaN.
@@ -276,12 +276,12 @@ def _unified_attention_kernel(
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, tail_start,
             qk_scale, window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P,
-            DOT_PREC, True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA, False,
+            DOT_PREC, True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA,
         )
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, tail_start, key_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA,
+        True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA, KV_TMA,
     )
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
@@ -553,7 +553,7 @@ class TritonAttentionBackend(TritonAttentionLaunch):
             out, *args, num_reqs, qk_scale, window, soft_cap, *strides,
             NUM_KV_HEADS=num_kv_heads, NUM_Q_PER_KV=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             SKIP_SINGLE_QUERIES=bool(decode_seq_lens), num_warps=warps, num_stages=stages, **common,
-            k_desc=descs[0], v_desc=descs[1], KV_TMA=descs[0] is not None, ZERO_V_TAIL_ONLY=self.TMA_ZERO_V_TAIL_ONLY,
+            k_desc=descs[0], v_desc=descs[1], KV_TMA=descs[0] is not None,
         )
         return out
 

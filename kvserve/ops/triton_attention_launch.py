@@ -46,10 +46,6 @@ class TritonAttentionLaunch:
     # on Gemma-3's, benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md), not yet for narrower ones.
     TMA_KV = False
     WIDE_HEAD_TMA_KV = True
-    # On the TMA path, zero the V rows of unseen keys only in the key step that crosses the sequence's end rather
-    # than in every masked step (each zeroing pulls the V tile through registers): 3% off a windowed layer's
-    # long-prefill attention, bit-identical output (benchmarks/ab_kernels.py --only prefill-w2, BENCHMARKS.md).
-    TMA_ZERO_V_TAIL_ONLY = True
 
     @classmethod
     def preferred_block_size(cls, head_dim: int, dtype: str) -> int | None:

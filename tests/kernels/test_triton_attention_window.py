@@ -117,9 +117,8 @@ def test_window_long_prefill_step_one_launch(monkeypatch):
     assert spy.launches == 0
 
 
-@pytest.mark.parametrize("zero_v_tail_only", [False, True])
 @pytest.mark.parametrize("window", [None, 1, 5, 24])
-def test_tma_kv_tiles(monkeypatch, window, zero_v_tail_only):
+def test_tma_kv_tiles(monkeypatch, window):
     """Long prefill steps on a cache whose block size is a multiple of the key step load each K/V tile with one TMA
     copy: the same output as the dense definition, with NaN in every block left of the windows and in each
     sequence's unwritten slots (a tile may cover them: they must not reach the output). Under the interpreter the
@@ -128,7 +127,6 @@ def test_tma_kv_tiles(monkeypatch, window, zero_v_tail_only):
         monkeypatch.setattr(ta, "tma_supported", lambda device: True)
     backend = paged_batch.long_prefill_backend()
     backend.TMA_KV = True
-    backend.TMA_ZERO_V_TAIL_ONLY = zero_v_tail_only
     backend.LONG_PREFILL_CONFIG = backend.WIDE_HEAD_LONG_PREFILL_CONFIG = (32, 16, 4, 2)
     spy = paged_batch.CountLaunches(ta._unified_attention_kernel)
     monkeypatch.setattr(ta, "_unified_attention_kernel", spy)
