@@ -269,9 +269,9 @@ def _unified_attention_kernel(
     )
     tail_start = full_end
     if KV_TMA:
-        # A whole TMA step past key_end holds the request's own later keys (written before the kernel runs) up
-        # to seq_len, and a step left of the window shares its block with a key in the window (not freed): only
-        # the step that crosses seq_len may read NaN.
+        # The keys of a TMA step past key_end are the request's own later keys (written before the kernel runs)
+        # up to seq_len, and a step left of the window shares its block with a key in the window (not freed):
+        # only the step that crosses seq_len may read NaN.
         tail_start = tl.maximum(full_end, tl.minimum(key_end, seq_len // TILE_N * TILE_N))
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, full_end, tail_start,
@@ -281,7 +281,7 @@ def _unified_attention_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, tail_start, key_end, qk_scale,
         window, soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_PREC,
-        True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA, KV_TMA,
+        True, KV_FP8, HAS_WINDOW, SOFT_CAP, k_desc, v_desc, key_floor, KV_TMA, ZERO_V=True,
     )
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_C
